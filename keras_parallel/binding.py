@@ -1,0 +1,145 @@
+"""One distribution bound to one model: the machinery behind both doors.
+
+`DistributedModel` (at `compile`) and `ShardingCallback` (at `set_model`) each
+hold a `Binding` and call the same three methods: `prepare` (plan, validate,
+apply), `enter`/`exit` (what must be in force while Keras's trainer runs).
+Neither door holds logic the other lacks.
+"""
+
+import contextlib
+
+import numpy as np
+from keras.src.distribution.distribution_lib import Distribution
+
+from keras_parallel import report
+from keras_parallel.errors import ShardingError
+from keras_parallel.executors import executor_class
+from keras_parallel.plan import resolve_plan
+from keras_parallel.plan import variables_signature
+
+
+def check_distribution(distribution, argument="distribution"):
+    """Refuses anything but a `keras.distribution.Distribution`.
+
+    Raises:
+        ShardingError: naming the argument and what it received.
+    """
+    if not isinstance(distribution, Distribution):
+        raise ShardingError(
+            f"`{argument}` must be a keras.distribution.Distribution such as "
+            "keras_parallel.DataParallel() or keras.distribution.ModelParallel"
+            f"(layout_map=...). Received: {argument}={distribution!r} (of type "
+            f"{type(distribution).__name__}); pass a distribution, or None for "
+            "one device."
+        )
+
+
+class Binding:
+    """Applies one distribution to one model, for either door.
+
+    Args:
+        distribution: a `keras.distribution.Distribution`.
+
+    Raises:
+        ShardingError: `distribution` is not a distribution, or this backend
+            cannot run it.
+    """
+
+    def __init__(self, distribution):
+        check_distribution(distribution)
+        self.distribution = distribution
+        self.executor = executor_class()(distribution)
+        self.executor.check(distribution)
+        self.plan = None
+        #: Counts the plans applied; a compiled step made under an older
+        #: plan is made again.
+        self.version = 0
+        self._signature = None
+        self._depth = 0
+        self._scope = None
+        self._announced = False
+
+    def resolve(self, model):
+        """The plan for `model` as it is now, validated, applied to nothing."""
+        mesh_devices = np.asarray(self.distribution.device_mesh.devices).flat
+        return resolve_plan(
+            self.distribution,
+            model,
+            device_names=self.executor.device_names(list(mesh_devices)),
+            available_devices=self.executor.list_devices(),
+        )
+
+    def prepare(self, model):
+        """Plans and applies the distribution if the model's variables changed.
+
+        Args:
+            model: the `keras.Model`; nothing happens until it is built.
+
+        Returns:
+            True if a new plan was applied.
+
+        Raises:
+            ShardingError: the distribution does not fit the model. Nothing
+                was moved.
+        """
+        if not model.built:
+            return False
+        signature = variables_signature(model)
+        if signature == self._signature:
+            return False
+        plan = self.resolve(model)
+        self.executor.apply(model, plan)
+        self.plan = plan
+        self._signature = signature
+        self.version += 1
+        return True
+
+    def announce(self, model, print_fn=print):
+        """Prints the plan once (on the chief process), at the first `fit`."""
+        if self._announced or self.plan is None or not self.executor.is_chief:
+            return
+        self._announced = True
+        print_fn(report.format_plan(self.plan, model.name))
+
+    def enter(self, model):
+        """Enters the executor's scope, once for nested entry points."""
+        self._depth += 1
+        if self._depth == 1:
+            self._scope = contextlib.ExitStack()
+            try:
+                self._scope.enter_context(self.executor.scope(model))
+            except BaseException:
+                self._depth = 0
+                self._scope = None
+                raise
+
+    def exit(self, model):
+        """Leaves what `enter` entered, when the outermost entry point ends."""
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            scope, self._scope = self._scope, None
+            scope.close()
+
+    @property
+    def active(self):
+        return self._depth > 0
+
+    @contextlib.contextmanager
+    def running(self, model):
+        """`enter` ... `exit` as a context manager."""
+        self.enter(model)
+        try:
+            yield
+        finally:
+            self.exit(model)
+
+    def release(self, model):
+        """Returns the model to one device."""
+        while self._depth:
+            self.exit(model)
+        if self.plan is not None:
+            self.executor.release(model)
+        self.plan = None
+        self._signature = None

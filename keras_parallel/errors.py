@@ -1,0 +1,17 @@
+"""The exceptions and warnings keras_parallel raises.
+
+Every error says what was wrong, what was received, and what to do instead,
+and is raised before anything is applied, so the model stays as it was.
+"""
+
+
+class ShardingError(ValueError):
+    """A distribution that cannot be applied to this model as given.
+
+    A `ValueError`, so code that already catches Keras's own distribution
+    errors keeps working.
+    """
+
+
+class UnmatchedLayoutKeyWarning(UserWarning):
+    """A `LayoutMap` key that matches no variable and no layer output."""

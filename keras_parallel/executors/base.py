@@ -1,0 +1,142 @@
+"""The executor contract: what a backend must do to run a `ShardingPlan`.
+
+Every backend does the same three things in the same order (see
+`docs/design.md`): the backend-neutral `plan` module resolves a
+`ShardingPlan`; an executor applies it with the backend's own objects; Keras's
+own trainer runs `fit`, `evaluate` and `predict`. An executor only supplies
+what the trainer needs, through the hooks below, and holds no training loop.
+
+The collectives (`reduce`, `broadcast`, `barrier`) follow PyTorch Lightning's
+habit: with one process they return their input and do nothing, so code that
+calls them needs no single-process branch.
+"""
+
+import abc
+import contextlib
+
+
+class Executor(abc.ABC):
+    """Applies a `ShardingPlan` to a model on one backend.
+
+    The lifecycle, for one model and one distribution:
+
+    1. `check(distribution)` when the distribution is given (at `compile`,
+       or when a `ShardingCallback` is made): refuse what this backend
+       cannot do, before anything is touched.
+    2. `apply(model, plan)` once the model, its optimizer and metrics are
+       built (at `compile` for a built model, else at the first `fit`,
+       `evaluate` or `predict`), and again if the variables changed.
+    3. `scope(model)` around every Keras entry point (`fit`, `evaluate`,
+       `predict`, `*_on_batch`): what must be in force while Keras's trainer
+       runs.
+    4. `release(model)` when the model goes back to one device
+       (`compile(distribution=None)`): undo `apply`.
+
+    Args:
+        distribution: the `keras.distribution.Distribution` to run.
+    """
+
+    #: The Keras backend this executor runs on (`"jax"`, `"torch"`, ...).
+    backend = None
+
+    def __init__(self, distribution):
+        self.distribution = distribution
+
+    # ----------------------------------------------------------- devices
+    @classmethod
+    @abc.abstractmethod
+    def list_devices(cls):
+        """The device names one `DataParallel()` with no argument spans.
+
+        Returns:
+            A list of strings such as `["cpu:0", "cpu:1"]`.
+        """
+
+    def device_names(self, devices):
+        """Normalises the mesh's devices to the names `list_devices` uses.
+
+        Args:
+            devices: the mesh's devices, flattened (strings or backend
+                device objects).
+
+        Returns:
+            A list of strings.
+        """
+        return [str(d).lower() for d in devices]
+
+    @classmethod
+    def demo_main(cls, run, num_devices):
+        """Runs `keras-parallel demo`'s training function on this backend.
+
+        The default runs `run()` in this process. A backend that needs set-up
+        before its runtime starts (logical devices) or one process per
+        device overrides it.
+
+        Args:
+            run: a function of no argument that trains and returns the test
+                accuracy.
+            num_devices: the simulated devices (or processes) to use when
+                there is no accelerator.
+
+        Returns:
+            What `run` returned (on the chief process).
+        """
+        return run()
+
+    # --------------------------------------------------------- lifecycle
+    def check(self, distribution):
+        """Refuses a distribution this backend cannot run.
+
+        Raises:
+            ShardingError (or `NotImplementedError`), naming what to change.
+        """
+
+    @abc.abstractmethod
+    def apply(self, model, plan):
+        """Puts the model's variables where `plan` says.
+
+        Called with the model, optimizer and metrics built. Must leave the
+        model as it was if it raises.
+
+        Args:
+            model: the `keras.Model`.
+            plan: the `ShardingPlan` resolved for it.
+        """
+
+    @contextlib.contextmanager
+    def scope(self, model):
+        """What must be in force while Keras's trainer runs an entry point.
+
+        Entered around `fit`, `evaluate`, `predict` and the `*_on_batch`
+        methods; nested entries (the evaluation inside `fit`) are entered
+        once. The default does nothing.
+        """
+        yield
+
+    def release(self, model):
+        """Undoes `apply`: the model runs on one device again."""
+
+    # ------------------------------------------------------- collectives
+    @property
+    def num_processes(self):
+        return 1
+
+    @property
+    def process_index(self):
+        return 0
+
+    @property
+    def is_chief(self):
+        """Whether this process writes files and prints progress."""
+        return self.process_index == 0
+
+    def reduce(self, value, op="mean"):
+        """Reduces `value` across processes (`"mean"` or `"sum"`)."""
+        return value
+
+    def broadcast(self, value, src=0):
+        """Returns process `src`'s `value` on every process."""
+        return value
+
+    def barrier(self):
+        """Waits until every process gets here."""

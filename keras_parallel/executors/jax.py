@@ -1,0 +1,179 @@
+"""The JAX executor: `jax.sharding` placements under Keras's own JAX trainer.
+
+Keras's JAX trainer already knows how to run a distribution: it asks the
+global `keras.distribution.distribution()` for the data layout of each batch,
+compiles its step with the variables' shardings as `out_shardings`, and every
+layer asks it for an output layout (`<path>/output`). What it cannot do is
+take a model whose variables already exist, and it leaves the distribution
+global. So this executor
+
+- moves every existing variable to its planned `NamedSharding` (`apply`),
+- installs a `PlannedDistribution` as the global distribution only while an
+  entry point runs (`scope`), restoring whatever was there before,
+- and, for that time only, lays out a batch that the data axis does not
+  divide replicated instead of split (see `distribute_batch`).
+"""
+
+import contextlib
+
+import jax
+import keras
+from keras.src.backend.jax import distribution_lib as keras_jax_distribution_lib
+from keras.src.distribution.distribution_lib import Distribution
+from keras.distribution import TensorLayout
+
+from keras_parallel.executors.base import Executor
+from keras_parallel.plan import iter_planned_variables
+
+
+class PlannedDistribution(Distribution):
+    """A `keras.distribution.Distribution` that answers from a `ShardingPlan`.
+
+    It differs from the user's distribution in two ways that make `fit` equal
+    one-device training:
+
+    - A batch whose size the data axis does not divide (the last batch of an
+      epoch, say 43 samples over 8 devices) is laid out replicated rather than
+      refused or padded: every sample counts once, and BatchNorm sees the
+      true batch.
+    - Output keys resolve by path suffix (`d2/output` for `net/block/d2`).
+
+    Args:
+        distribution: the user's distribution (mesh, batch axis).
+        plan: the `ShardingPlan` resolved for the model.
+    """
+
+    def __init__(self, distribution, plan):
+        super().__init__(
+            distribution.device_mesh,
+            plan.batch_axis,
+            getattr(distribution, "auto_shard_dataset", True),
+        )
+        self.plan = plan
+        self._output_layouts = {}
+
+    @property
+    def num_model_replicas(self):
+        return self.plan.data_parallel_size
+
+    def get_data_layout(self, data_shape):
+        axes = [None] * len(data_shape)
+        if data_shape and data_shape[0] % self.plan.data_parallel_size == 0:
+            axes[0] = self.plan.batch_axis
+        return TensorLayout(axes, self.device_mesh)
+
+
+    def get_variable_layout(self, variable):
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        # A variable created while running (a lazily built optimizer or
+        # metric) starts replicated; the next plan moves it if a key says so.
+        return TensorLayout([None] * len(variable.shape), self.device_mesh)
+
+    def get_tensor_layout(self, path):
+        if path not in self._output_layouts:
+            axes = self.plan.output_axes(path)
+            self._output_layouts[path] = (
+                None if axes is None else TensorLayout(axes, self.device_mesh)
+            )
+        return self._output_layouts[path]
+
+
+class JaxExecutor(Executor):
+    """Runs a plan with `jax.sharding.NamedSharding` (see module docstring)."""
+
+    backend = "jax"
+
+    def __init__(self, distribution):
+        super().__init__(distribution)
+        self._planned = None
+
+    @classmethod
+    def list_devices(cls):
+        return keras.distribution.list_devices()
+
+    def device_names(self, devices):
+        return [
+            f"{d.platform}:{d.id}" if isinstance(d, jax.Device) else str(d).lower()
+            for d in devices
+        ]
+
+    def apply(self, model, plan):
+        mesh = self.distribution.device_mesh
+        moves = []
+        # Place every value first and assign after: a failure leaves the
+        # model's variables as they were.
+        for variable, entry in iter_planned_variables(model, plan):
+            layout = TensorLayout(entry.axes, mesh)
+            value = jax.device_put(variable.value, layout.backend_layout)
+            moves.append((variable, layout, value))
+        for variable, layout, value in moves:
+            variable._layout = layout
+            variable._value = value
+        self._planned = PlannedDistribution(self.distribution, plan)
+
+    @contextlib.contextmanager
+    def scope(self, model):
+        if self._planned is None:
+            yield
+            return
+        previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(self._planned)
+        keras_jax_distribution_lib.distribute_data_input = distribute_batch
+        try:
+            yield
+        finally:
+            keras_jax_distribution_lib.distribute_data_input = (
+                _keras_distribute_data_input
+            )
+            keras.distribution.set_distribution(previous)
+
+    def release(self, model):
+        device = jax.devices()[0]
+        for variable in model.variables + _optimizer_and_metric_variables(model):
+            if getattr(variable, "_layout", None) is None:
+                continue
+            variable._layout = None
+            variable._value = jax.device_put(variable.value, device)
+        self._planned = None
+
+    @property
+    def num_processes(self):
+        return jax.process_count()
+
+    @property
+    def process_index(self):
+        return jax.process_index()
+
+
+def _optimizer_and_metric_variables(model):
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(optimizer.variables) if optimizer is not None else []
+    return variables + list(getattr(model, "metrics_variables", []))
+
+
+_keras_distribute_data_input = keras_jax_distribution_lib.distribute_data_input
+
+
+def distribute_batch(per_process_batch, layout, batch_dim_name):
+    """Keras's `distribute_data_input`, for batches of any size.
+
+    Keras's JAX epoch iterator computes the data layout from the first batch
+    and reuses it, so the last batch of an epoch (43 samples over 8 devices)
+    would be refused as indivisible. Such a batch is placed replicated: each
+    device sees the whole batch, the step computes exactly what one device
+    would, and no sample is padded, dropped or repeated. It costs one extra
+    compilation, which a batch of a new shape costs on one device too.
+    """
+    sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
+    spec = getattr(sharding, "spec", ())
+    if spec and spec[0] is not None and per_process_batch.ndim:
+        names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        ways = 1
+        for name in names:
+            ways *= sharding.mesh.shape[name]
+        if per_process_batch.shape[0] % ways:
+            sharding = jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec()
+            )
+    return _keras_distribute_data_input(per_process_batch, sharding, batch_dim_name)

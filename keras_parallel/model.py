@@ -1,0 +1,131 @@
+"""`DistributedModel`: `compile(..., distribution=...)` for any Keras model."""
+
+import keras
+from keras.src.utils import io_utils
+
+from keras_parallel.binding import Binding
+
+_ENTRY_POINTS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+
+
+class DistributedModel:
+    """A mixin that gives `compile` a `distribution` argument.
+
+    Put it before `keras.Model` in the bases. `fit`, `evaluate`, `predict`
+    and the `*_on_batch` methods then run on every device of the
+    distribution with no other change to the training code. The model may be
+    created, built, even trained before: its variables (and its optimizer's
+    and metrics') are laid out anew. Nothing global is left behind when an
+    entry point returns.
+
+    Example:
+
+    ```python
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    inputs = keras.Input((784,))
+    outputs = keras.layers.Dense(10)(inputs)
+    model = Net(inputs=inputs, outputs=outputs)
+    model.compile(optimizer="sgd", loss="mse",
+                  distribution=keras_parallel.DataParallel())
+    model.fit(x, y, batch_size=64)  # the global batch, split over devices
+    ```
+    """
+
+    def compile(self, *args, distribution=None, **kwargs):
+        """Configures the model for training, on one device or many.
+
+        Args:
+            *args: `keras.Model.compile` arguments.
+            distribution: a `keras.distribution.Distribution`
+                (`keras_parallel.DataParallel()`, `ModelParallel` with a
+                `LayoutMap`), or `None` for one device.
+            **kwargs: `keras.Model.compile` arguments.
+
+        Raises:
+            ValueError: the distribution is not a distribution, or does not
+                fit this model (the message says what to change). The model
+                is left on one device, its weights unchanged.
+        """
+        binding = None if distribution is None else Binding(distribution)
+        self._kp_unbind()
+        super().compile(*args, **kwargs)
+        if binding is not None:
+            # A built model is planned now, so a bad layout fails at compile;
+            # an unbuilt one is planned once fit has built it.
+            binding.prepare(self)
+            self._kp_binding = binding
+
+    @property
+    def distribution(self):
+        """The distribution in effect, or `None` for one device."""
+        binding = getattr(self, "_kp_binding", None)
+        return None if binding is None else binding.distribution
+
+    def _kp_unbind(self):
+        binding = getattr(self, "_kp_binding", None)
+        if binding is not None:
+            binding.release(self)
+            self._kp_binding = None
+            self._kp_made = {}
+
+    def _kp_make(self, kind, make, force):
+        # Keras makes its step functions after building the model, optimizer
+        # and metrics: the first moment every variable exists.
+        binding = getattr(self, "_kp_binding", None)
+        if binding is not None:
+            binding.prepare(self)
+            if kind == "train" and getattr(self, "_kp_announce", False):
+                self._kp_announce = False
+                binding.announce(self, io_utils.print_msg)
+            made = getattr(self, "_kp_made", None)
+            if made is None:
+                made = self._kp_made = {}
+            if made.get(kind) != binding.version:
+                force = True
+                made[kind] = binding.version
+        return make(force=force)
+
+    def make_train_function(self, force=False):
+        return self._kp_make("train", super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return self._kp_make("test", super().make_test_function, force)
+
+    def make_predict_function(self, force=False):
+        return self._kp_make("predict", super().make_predict_function, force)
+
+
+def _entry_point(name):
+    def method(self, *args, **kwargs):
+        binding = getattr(self, "_kp_binding", None)
+        call = getattr(super(DistributedModel, self), name)
+        if binding is None:
+            return call(*args, **kwargs)
+        if name == "fit":
+            # fit(x, y, batch_size, epochs, verbose, ...): the plan is printed
+            # once the step is made, when every variable exists.
+            verbose = kwargs.get("verbose", args[4] if len(args) > 4 else "auto")
+            self._kp_announce = verbose != 0
+        with binding.running(self):
+            return call(*args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"DistributedModel.{name}"
+    method.__doc__ = (
+        f"`keras.Model.{name}`, run under the model's distribution "
+        "(see `DistributedModel.compile`)."
+    )
+    return method
+
+
+for _name in _ENTRY_POINTS:
+    setattr(DistributedModel, _name, _entry_point(_name))

@@ -1,0 +1,463 @@
+"""The sharding plan: where every variable and constrained output lives.
+
+`resolve_plan` turns a `keras.distribution.Distribution` and a built model into
+a `ShardingPlan`: plain data, the same on every backend. All validation lives
+here, once, so every executor refuses the same bad input with the same words,
+and refuses it before anything is moved.
+
+Nothing in this module touches a device or imports a backend: the executor
+hands in the device names, and the plan only reads paths, shapes and dtypes.
+"""
+
+import dataclasses
+import difflib
+import math
+import re
+import warnings
+
+import numpy as np
+
+from keras_parallel.errors import ShardingError
+from keras_parallel.errors import UnmatchedLayoutKeyWarning
+
+OUTPUT_SUFFIX = "/output"
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableLayout:
+    """One variable's place in the plan.
+
+    Attributes:
+        path: the variable's `path` (e.g. `"dense/kernel"`).
+        kind: `"model"`, `"optimizer"` or `"metric"`.
+        shape: the variable's shape.
+        dtype: the variable's dtype name.
+        axes: one mesh axis name (or `None`) per dimension.
+        key: the `LayoutMap` key that chose `axes`, or a note saying why
+            none did (`"(replicated)"`, `"(follows dense/kernel)"`).
+        bytes_total: the size of the whole variable.
+        bytes_per_device: the size of the shard one device holds.
+    """
+
+    path: str
+    kind: str
+    shape: tuple
+    dtype: str
+    axes: tuple
+    key: str
+    bytes_total: int
+    bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLayout:
+    """A layer output constrained to a layout (a `<layer path>/output` key).
+
+    Attributes:
+        key: the `LayoutMap` key as the user wrote it.
+        path: the full output path it resolved to (`"net/block/d2/output"`).
+        axes: one mesh axis name (or `None`) per output dimension.
+    """
+
+    key: str
+    path: str
+    axes: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Where everything lives, for one distribution and one model.
+
+    Attributes:
+        mesh_shape: the device mesh's shape.
+        axis_names: the mesh's axis names.
+        devices: the device names of the mesh, flattened in mesh order.
+        batch_axis: the mesh axis the batch is split along.
+        variables: one `VariableLayout` per model, optimizer and metric
+            variable, in that order.
+        outputs: one `OutputLayout` per constrained layer output.
+        output_keys: the `LayoutMap` output keys with their axes, used to
+            resolve an output path met only at call time.
+    """
+
+    mesh_shape: tuple
+    axis_names: tuple
+    devices: tuple
+    batch_axis: str
+    variables: tuple
+    outputs: tuple
+    output_keys: tuple = ()
+
+    @property
+    def num_devices(self):
+        return int(math.prod(self.mesh_shape))
+
+    @property
+    def data_parallel_size(self):
+        """How many ways each batch is split."""
+        return self.axis_size(self.batch_axis)
+
+    def axis_size(self, axis_name):
+        return self.mesh_shape[self.axis_names.index(axis_name)]
+
+    def bytes_per_device(self, kinds=("model", "optimizer")):
+        """The bytes one device holds for the variables of these kinds."""
+        return sum(v.bytes_per_device for v in self.variables if v.kind in kinds)
+
+    def bytes_total(self, kinds=("model", "optimizer")):
+        """The bytes of the variables of these kinds, unsharded."""
+        return sum(v.bytes_total for v in self.variables if v.kind in kinds)
+
+    def variable_axes(self):
+        """`{path: axes}` for every variable of the plan."""
+        return {v.path: v.axes for v in self.variables}
+
+    def output_axes(self, path):
+        """The axes a layer output at `path` is constrained to, or `None`.
+
+        Paths met at call time that the plan did not list (a layer called
+        under another name scope) are resolved against the keys, as the
+        `LayoutMap` would.
+        """
+        for output in self.outputs:
+            if output.path == path:
+                return output.axes
+        for key, axes in self.output_keys:
+            if _matches_path_or_suffix(key, path):
+                return axes
+        return None
+
+
+def resolve_plan(distribution, model, device_names=None, available_devices=None):
+    """Resolves and validates the sharding plan of a model.
+
+    Args:
+        distribution: a `keras.distribution.Distribution` (`DataParallel`,
+            `ModelParallel`, or a subclass of `Distribution`).
+        model: a built `keras.Model`. Its optimizer and metric variables are
+            planned too when they exist.
+        device_names: the mesh's devices as strings (`"cpu:0"`), in mesh
+            order. Defaults to `str()` of each mesh device.
+        available_devices: the device names the backend can use. When given,
+            a mesh naming more or other devices is refused.
+
+    Returns:
+        A `ShardingPlan`.
+
+    Raises:
+        ShardingError: the distribution cannot be applied to this model; the
+            message names the variable, key or argument and what to do.
+
+    Example:
+
+    >>> plan = resolve_plan(keras.distribution.DataParallel(), model)
+    >>> plan.data_parallel_size
+    8
+    """
+    mesh = distribution.device_mesh
+    mesh_shape = tuple(int(s) for s in mesh.shape)
+    axis_names = tuple(mesh.axis_names)
+    if device_names is None:
+        device_names = [str(d) for d in np.asarray(mesh.devices).flat]
+    device_names = tuple(device_names)
+    _check_mesh(mesh_shape, axis_names, device_names, available_devices)
+    batch_axis = distribution.batch_dim_name
+    if batch_axis not in axis_names:
+        raise ShardingError(
+            "The distribution's `batch_dim_name` is not an axis of its device "
+            f"mesh. Received: batch_dim_name={batch_axis!r}, mesh "
+            f"axis_names={list(axis_names)}; pass one of these names as "
+            "`batch_dim_name`."
+        )
+    sizes = dict(zip(axis_names, mesh_shape))
+
+    model_vars, optimizer_vars, metric_vars = _variables_by_kind(model)
+    layout_map = _layout_map_of(distribution)
+    variable_keys = []
+    output_keys = []
+    if layout_map is not None:
+        for key in layout_map:
+            axes = tuple(layout_map[key].axes)
+            _check_axes_in_mesh(f"LayoutMap key {key!r}", axes, axis_names)
+            if key.endswith(OUTPUT_SUFFIX):
+                output_keys.append((key, axes))
+            else:
+                variable_keys.append((key, axes))
+
+    entries = []
+    used_keys = set()
+    chosen = {}
+    for variable in model_vars:
+        axes, key = _model_variable_axes(
+            distribution, variable, variable_keys, layout_map
+        )
+        if key in dict(variable_keys):
+            used_keys.add(key)
+        chosen[variable.path] = axes
+        entries.append(_entry(variable, "model", axes, key, sizes))
+    references = {v.path.replace("/", "_"): v for v in model_vars if v.trainable}
+    for variable in optimizer_vars:
+        reference = _reference_of(variable, references)
+        if reference is None:
+            axes, key = (None,) * len(variable.shape), "(replicated)"
+        else:
+            axes, key = chosen[reference.path], f"(follows {reference.path})"
+        entries.append(_entry(variable, "optimizer", axes, key, sizes))
+    for variable in metric_vars:
+        axes = (None,) * len(variable.shape)
+        entries.append(_entry(variable, "metric", axes, "(replicated)", sizes))
+
+    outputs = _resolve_outputs(model, output_keys)
+    used_keys.update(o.key for o in outputs)
+    if layout_map is not None:
+        _warn_unmatched(layout_map, used_keys, model_vars, model)
+    return ShardingPlan(
+        mesh_shape=mesh_shape,
+        axis_names=axis_names,
+        devices=device_names,
+        batch_axis=batch_axis,
+        variables=tuple(entries),
+        outputs=tuple(outputs),
+        output_keys=tuple(output_keys),
+    )
+
+
+def _check_mesh(mesh_shape, axis_names, device_names, available_devices):
+    if len(set(device_names)) != len(device_names):
+        raise ShardingError(
+            "The device mesh names a device twice. Received: devices="
+            f"{list(device_names)}; give each device once."
+        )
+    if available_devices is None:
+        return
+    available = list(available_devices)
+    if len(device_names) > len(available):
+        raise ShardingError(
+            f"The device mesh asks for {len(device_names)} devices, but only "
+            f"{len(available)} exist. Received: mesh shape={mesh_shape}, "
+            f"axis_names={list(axis_names)}; available devices={available}. "
+            "Use a mesh whose shape multiplies to at most the device count."
+        )
+    missing = [d for d in device_names if d not in available]
+    if missing:
+        raise ShardingError(
+            f"The device mesh names devices that do not exist: {missing}. "
+            f"Received: devices={list(device_names)}; available devices="
+            f"{available}. Build the mesh from "
+            "`keras.distribution.list_devices()`."
+        )
+
+
+def _check_axes_in_mesh(what, axes, axis_names):
+    for axis in axes:
+        if axis is not None and axis not in axis_names:
+            raise ShardingError(
+                f"{what} names a layout axis that is not a mesh axis. "
+                f"Received: axes={axes}, mesh axis_names={list(axis_names)}; "
+                "use mesh axis names or None."
+            )
+
+
+def _layout_map_of(distribution):
+    # `ModelParallel` keeps its LayoutMap private; read it where Keras keeps it.
+    return getattr(distribution, "_layout_map", None)
+
+
+def _variables_by_kind(model):
+    seen = set()
+
+    def fresh(variables):
+        out = []
+        for v in variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+        return out
+
+    model_vars = fresh(list(model.trainable_variables) + list(model.non_trainable_variables))
+    optimizer = getattr(model, "optimizer", None)
+    optimizer_vars = fresh(optimizer.variables if optimizer is not None else [])
+    metric_vars = fresh(getattr(model, "metrics_variables", []))
+    return model_vars, optimizer_vars, metric_vars
+
+
+def _model_variable_axes(distribution, variable, variable_keys, layout_map):
+    """Returns `(axes, key)` for one model variable."""
+    rank = len(variable.shape)
+    if layout_map is None:
+        if _is_data_parallel(distribution):
+            return (None,) * rank, "(replicated)"
+        # A custom Distribution: ask it, as Keras would.
+        layout = distribution.get_variable_layout(variable)
+        axes = tuple(layout.axes) if layout is not None else (None,) * rank
+        return axes, "(from distribution)"
+    keys = dict(variable_keys)
+    if variable.path in keys:  # An exact key wins, as in Keras's LayoutMap.
+        return _checked(variable, keys[variable.path], variable.path), variable.path
+    matching = [k for k, _ in variable_keys if re.fullmatch(k, variable.path)]
+    if len(matching) > 1:
+        raise ShardingError(
+            f"Variable {variable.path!r} is matched by {len(matching)} "
+            f"LayoutMap keys: {matching}. Each variable must resolve to one "
+            "layout; make the keys exclusive (anchor or narrow the regexes)."
+        )
+    if matching:
+        return _checked(variable, keys[matching[0]], matching[0]), matching[0]
+    return (None,) * rank, "(replicated)"
+
+
+def _is_data_parallel(distribution):
+    from keras.distribution import DataParallel
+
+    return isinstance(distribution, DataParallel)
+
+
+def _checked(variable, axes, key):
+    shape = tuple(variable.shape)
+    if len(axes) != len(shape):
+        raise ShardingError(
+            f"The layout of LayoutMap key {key!r} has rank {len(axes)}, but "
+            f"variable {variable.path!r} has rank {len(shape)}. Received: "
+            f"axes={axes}, shape={shape}; give one axis (or None) per "
+            "dimension."
+        )
+    return tuple(axes)
+
+
+def _entry(variable, kind, axes, key, sizes):
+    shape = tuple(int(s) for s in variable.shape)
+    dtype = str(getattr(variable.dtype, "name", variable.dtype))
+    shards = 1
+    for dim, axis in zip(shape, axes):
+        if axis is None:
+            continue
+        if dim % sizes[axis]:
+            raise ShardingError(
+                f"Variable {variable.path!r} cannot be split over mesh axis "
+                f"{axis!r}: dimension {dim} is not divisible by the axis size. "
+                f"Received: shape={shape}, axes={axes}, mesh axis {axis!r} of "
+                f"size {sizes[axis]}; change the layout or the mesh shape."
+            )
+        shards *= sizes[axis]
+    total = int(math.prod(shape)) * np.dtype(_numpy_dtype(dtype)).itemsize
+    return VariableLayout(
+        path=variable.path,
+        kind=kind,
+        shape=shape,
+        dtype=dtype,
+        axes=tuple(axes),
+        key=key,
+        bytes_total=total,
+        bytes_per_device=total // shards,
+    )
+
+
+def _numpy_dtype(dtype):
+    # bfloat16 and the float8 types are not numpy dtypes: size them by name.
+    if dtype == "bfloat16":
+        return "float16"
+    if dtype.startswith("float8"):
+        return "int8"
+    return dtype
+
+
+def _reference_of(variable, references):
+    """The model variable an optimizer slot was made from, or `None`.
+
+    Keras names a slot `<reference path with / as _>_<slot name>` and gives it
+    the reference's shape (`Optimizer.add_variable_from_reference`).
+    """
+    best = None
+    for prefix, reference in references.items():
+        if variable.name.startswith(prefix + "_") and tuple(
+            variable.shape
+        ) == tuple(reference.shape):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, reference)
+    return best[1] if best else None
+
+
+def _output_paths(model):
+    """Every layer output path of the model, as Keras names it at call time."""
+    paths = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        path = getattr(layer, "path", None) or layer.name
+        paths.append(path + OUTPUT_SUFFIX)
+    return list(dict.fromkeys(paths))
+
+
+def _matches_path_or_suffix(key, path):
+    if re.fullmatch(key, path):
+        return True
+    parts = path.split("/")
+    return any(re.fullmatch(key, "/".join(parts[i:])) for i in range(1, len(parts)))
+
+
+def _resolve_outputs(model, output_keys):
+    paths = _output_paths(model)
+    outputs = []
+    owner = {}
+    for key, axes in output_keys:
+        matched = [p for p in paths if re.fullmatch(key, p)]
+        if not matched:
+            matched = [p for p in paths if _matches_path_or_suffix(key, p)]
+            if len(matched) > 1:
+                raise ShardingError(
+                    f"Output key {key!r} matches {len(matched)} layers by path "
+                    f"suffix: {matched}. Name one layer: use a longer suffix "
+                    f"or the full path, e.g. {matched[0]!r}."
+                )
+        for path in matched:
+            if path in owner:
+                raise ShardingError(
+                    f"Layer output {path!r} is matched by two LayoutMap keys: "
+                    f"{[owner[path], key]}. Each output must resolve to one "
+                    "layout; keep one of the keys."
+                )
+            owner[path] = key
+            outputs.append(OutputLayout(key=key, path=path, axes=axes))
+    return outputs
+
+
+def _warn_unmatched(layout_map, used_keys, model_vars, model):
+    candidates = [v.path for v in model_vars] + _output_paths(model)
+    for key in layout_map:
+        if key in used_keys:
+            continue
+        close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.3)
+        warnings.warn(
+            f"LayoutMap key {key!r} matches no variable and no layer output "
+            f"of model {model.name!r}, so it has no effect. Closest paths: "
+            f"{close or candidates[:3]}. Print `keras_parallel.describe(model)`"
+            " or `[v.path for v in model.variables]` for every path.",
+            UnmatchedLayoutKeyWarning,
+            stacklevel=4,
+        )
+
+
+def iter_planned_variables(model, plan):
+    """Pairs each variable of `model` with its `VariableLayout` in `plan`.
+
+    Args:
+        model: the model the plan was resolved for.
+        plan: a `ShardingPlan`.
+
+    Yields:
+        `(variable, VariableLayout)` pairs, in plan order.
+
+    Raises:
+        ShardingError: the model's variables changed since the plan was made.
+    """
+    variables = [v for group in _variables_by_kind(model) for v in group]
+    if [v.path for v in variables] != [e.path for e in plan.variables]:
+        raise ShardingError(
+            f"Model {model.name!r} has other variables than its sharding plan "
+            "was made for. Resolve the plan again after building the model "
+            "(keras_parallel does this at each fit/evaluate/predict)."
+        )
+    yield from zip(variables, plan.variables)
+
+
+def variables_signature(model):
+    """A value that changes when the model gains or loses a variable."""
+    return tuple(id(v) for group in _variables_by_kind(model) for v in group)

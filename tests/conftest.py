@@ -1,0 +1,17 @@
+"""Test set-up shared by every backend.
+
+The backend is chosen by `KERAS_BACKEND` (tox sets it per env). Simulated
+devices must exist before the backend starts, so they are set up here,
+before any test module imports Keras:
+
+- JAX: 8 CPU devices via `XLA_FLAGS`.
+- TensorFlow: see `tests/tf_devices.py` (logical CPU devices).
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
