@@ -1,0 +1,150 @@
+"""Moving an existing Keras model's state into (and out of) a tf.distribute strategy.
+
+A `MirroredStrategy` only mirrors variables created under its `scope()`;
+a model built before the distribution was given holds plain `tf.Variable`s.
+Keras's TensorFlow `Variable` is a thin wrapper around one `tf.Variable`
+(`variable._value`), so the model, optimizer and metric state can be moved by
+creating one new `tf.Variable` per Keras variable under the strategy's scope,
+initialised from the old value, and swapping it in. Every object that holds
+the Keras variable (layers, the optimizer, checkpoints) keeps holding it.
+
+Cost: each variable is read once and written once per device (one host copy
+of the whole state, then `num_devices` device copies), and while the swap runs
+the old and the new copies both exist. It happens once per plan (at `compile`
+for a built model, else at the first `fit`), never per step.
+"""
+
+import tensorflow as tf
+
+_ON_READ = tf.VariableSynchronization.ON_READ
+
+
+def all_variables(model):
+    """Every Keras variable of the model, its optimizer and its metrics.
+
+    Includes the states of random seed generators (`Dropout`), which the
+    sharding plan does not list but which a replica also reads and writes.
+
+    Returns:
+        A list of Keras variables without duplicates, in a stable order.
+    """
+    groups = [model.variables]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        groups.append(optimizer.variables)
+    groups.append(getattr(model, "metrics_variables", []))
+    seen = set()
+    out = []
+    for group in groups:
+        for variable in group:
+            if id(variable) not in seen and hasattr(variable, "_value"):
+                seen.add(id(variable))
+                out.append(variable)
+    return out
+
+
+def is_distributed_by(variable, strategy):
+    """Whether a Keras variable's `tf.Variable` already belongs to `strategy`."""
+    value = getattr(variable, "_value", None)
+    return getattr(value, "_distribute_strategy", None) is strategy
+
+
+def move_variables(model, strategy=None):
+    """Re-creates the model's variables under `strategy`, keeping their values.
+
+    Args:
+        model: a built `keras.Model` (its optimizer and metrics may be built).
+        strategy: a `tf.distribute.Strategy`, or `None` to bring the
+            variables back to plain one-device `tf.Variable`s.
+
+    Returns:
+        How many variables were moved.
+
+    Example:
+
+    >>> strategy = tf.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> move_variables(model, strategy)     # now mirrored over two devices
+    >>> move_variables(model, None)         # back on one device
+    """
+    variables = [v for v in all_variables(model) if v._value is not None]
+    if strategy is not None:
+        variables = [v for v in variables if not is_distributed_by(v, strategy)]
+    else:
+        variables = [v for v in variables if _is_distributed(v._value)]
+    if not variables:
+        return 0
+    optimizers = _optimizers_of(model)
+    old_keys = {id(v): [(o, o._var_key(v)) for o in optimizers] for v in variables}
+    # Create every new variable first and swap after: if creating one fails,
+    # the model still holds its old variables, all of them.
+    created = [_recreate(v, strategy) for v in variables]
+    for variable, new in zip(variables, created):
+        variable._value = new
+    # The TensorFlow optimizer keys its per-variable state by the
+    # `tf.Variable`'s id, which just changed.
+    for variable in variables:
+        for optimizer, old_key in old_keys[id(variable)]:
+            _rekey(optimizer, old_key, optimizer._var_key(variable))
+    return len(variables)
+
+
+def _is_distributed(value):
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _read(value):
+    """The value of a (possibly distributed) `tf.Variable`, as one tensor."""
+    if _is_distributed(value):
+        # Under its strategy's scope an on-read variable (a metric's total)
+        # reads as the aggregate over replicas, which is its true value.
+        with value.distribute_strategy.scope():
+            return tf.convert_to_tensor(value.read_value())
+    return tf.convert_to_tensor(value.read_value())
+
+
+def _recreate(variable, strategy):
+    old = variable._value
+    value = _read(old)
+    kwargs = dict(
+        dtype=old.dtype,
+        trainable=variable.trainable,
+        name=variable.name,
+        aggregation=variable._map_aggregation(variable.aggregation),
+        synchronization=variable._map_synchronization(variable.synchronization),
+    )
+    if strategy is None:
+        with tf.init_scope():
+            return tf.Variable(value, **kwargs)
+    with strategy.scope(), tf.init_scope():
+        new = tf.Variable(value, **kwargs)
+        if old.synchronization == _ON_READ or kwargs["synchronization"] == _ON_READ:
+            # Each replica of an on-read variable starts with the initial
+            # value, so a SUM variable would read `num_replicas` times too
+            # large. Assigning in cross-replica context splits it right.
+            new.assign(value)
+    return new
+
+
+def _optimizers_of(model):
+    """The model's optimizer and the optimizers it wraps (loss scaling)."""
+    found = []
+    stack = [getattr(model, "optimizer", None)]
+    while stack:
+        optimizer = stack.pop()
+        if optimizer is None or any(optimizer is o for o in found):
+            continue
+        if not hasattr(optimizer, "_var_key"):
+            continue
+        found.append(optimizer)
+        stack.append(getattr(optimizer, "inner_optimizer", None))
+        stack.extend(getattr(optimizer, "optimizers", None) or [])
+    return found
+
+
+def _rekey(optimizer, old_key, new_key):
+    if old_key == new_key:
+        return
+    for name in ("_trainable_variables_indices", "_var_to_optimizer_idx"):
+        table = getattr(optimizer, name, None)
+        if isinstance(table, dict) and old_key in table:
+            table[new_key] = table.pop(old_key)

@@ -1,0 +1,38 @@
+"""Small models and data shared by the tests (any backend)."""
+
+import numpy as np
+
+
+def dense_model(model_class, batchnorm=False, name="net", seed=1):
+    """A small functional MLP: d1 (16->32), optional BatchNorm, d2 (32->4)."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    if batchnorm:
+        x = keras.layers.BatchNormalization(name="bn")(x)
+    outputs = keras.layers.Dense(8, name="d2")(x)
+    return model_class(inputs=inputs, outputs=outputs, name=name)
+
+
+def regression_data(n=1003, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = rng.normal(size=(n, 8)).astype("float32")
+    return x, y
+
+
+def weights_of(model):
+    return [np.array(v.value) for v in model.weights]
+
+
+def max_relative_difference(a_weights, b_weights):
+    """The largest of |a - b| / max|a| over the variables."""
+    worst = 0.0
+    for a, b in zip(a_weights, b_weights):
+        a = np.asarray(a, dtype="float64")
+        b = np.asarray(b, dtype="float64")
+        scale = max(float(np.max(np.abs(a))), 1e-12)
+        worst = max(worst, float(np.max(np.abs(a - b))) / scale)
+    return worst

@@ -1,0 +1,323 @@
+"""DistributedModel on JAX: same training as one device, on 8 devices.
+
+The proof is equivalence (DESIGN.md): from the same initial weights, on the
+same global batches, with SGD, the distributed weights equal single-device
+training to float32 rounding, while the variables really span the devices.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from builders import dense_model
+from builders import max_relative_difference
+from builders import regression_data
+from builders import weights_of
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="JAX executor tests; run them under tox -e jax",
+)
+
+if keras.backend.backend() == "jax":
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+import keras_parallel
+
+
+class Net(keras_parallel.DistributedModel, keras.Model):
+    pass
+
+
+def train(model, x, y, batch_size=64, epochs=1, optimizer="sgd", **compile_kwargs):
+    model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
+    )
+    return history
+
+
+def single_device_weights(x, y, batchnorm=False, **kwargs):
+    model = dense_model(keras.Model, batchnorm=batchnorm)
+    history = train(model, x, y, **kwargs)
+    return weights_of(model), history
+
+
+def model_parallel(mesh_shape, output_key="d2/output"):
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    layout_map["d2/kernel"] = ("model", None)
+    if output_key:
+        layout_map[output_key] = ("data", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+def test_eight_devices_are_simulated():
+    assert len(jax.devices()) == 8
+
+
+def test_data_parallel_one_step_equals_one_device_with_batchnorm():
+    x, y = regression_data(64)
+    expected, _ = single_device_weights(x, y, batchnorm=True)
+    model = dense_model(Net, batchnorm=True)
+    train(model, x, y, distribution=keras_parallel.DataParallel())
+    assert max_relative_difference(expected, weights_of(model)) < 1e-5
+    kernel = model.get_layer("d1").kernel.value
+    assert len(kernel.sharding.device_set) == 8
+    assert kernel.sharding.spec == P(None, None)
+
+
+def test_data_parallel_ten_steps_equal_one_device():
+    x, y = regression_data(640)
+    expected, expected_history = single_device_weights(x, y)
+    model = dense_model(Net)
+    history = train(model, x, y, distribution=keras_parallel.DataParallel())
+    assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    np.testing.assert_allclose(
+        history.history["loss"], expected_history.history["loss"], rtol=1e-5
+    )
+
+
+def test_uneven_epoch_equals_one_device_with_batchnorm():
+    # 1003 = 15 * 64 + 43: the last batch divides over neither 8 devices nor
+    # a data axis of 4. Padding it would change the BatchNorm statistics.
+    x, y = regression_data(1003)
+    expected, _ = single_device_weights(x, y, batchnorm=True)
+    model = dense_model(Net, batchnorm=True)
+    train(model, x, y, distribution=keras_parallel.DataParallel())
+    assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    mesh = keras.distribution.DeviceMesh((4, 2), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    model = dense_model(Net, batchnorm=True)
+    train(
+        model,
+        x,
+        y,
+        distribution=keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="data"
+        ),
+    )
+    assert max_relative_difference(expected, weights_of(model)) < 1e-4
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_model_parallel_equals_one_device(mesh_shape):
+    x, y = regression_data(640)
+    expected, _ = single_device_weights(x, y, optimizer="adam")
+    model = dense_model(Net)
+    train(model, x, y, optimizer="adam", distribution=model_parallel(mesh_shape))
+    assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    # The variables really are split as the LayoutMap says...
+    kernel = model.get_layer("d1").kernel.value
+    assert kernel.sharding.spec == P(None, "model")
+    assert dict(kernel.sharding.mesh.shape) == {"data": mesh_shape[0], "model": mesh_shape[1]}
+    shard_shapes = {s.data.shape for s in kernel.addressable_shards}
+    assert shard_shapes == {(16, 32 // mesh_shape[1])}
+    # ...and the optimizer slots follow their variable.
+    slots = [
+        v for v in model.optimizer.variables if "/d1_kernel_" in v.path
+    ]
+    assert len(slots) == 2
+    assert all(v.value.sharding.spec == P(None, "model") for v in slots)
+
+
+def test_model_parallel_first_step_equals_one_device_with_batchnorm():
+    x, y = regression_data(64)
+    expected, _ = single_device_weights(x, y, batchnorm=True)
+    model = dense_model(Net, batchnorm=True)
+    train(model, x, y, distribution=model_parallel((2, 4)))
+    assert max_relative_difference(expected, weights_of(model)) < 1e-5
+
+
+def _sharding_ops(model, x, y):
+    """The sharding constraints in the lowered train step, as text lines."""
+    binding = model._kp_binding
+    with binding.running(model):
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+        lowered = jax.jit(model.train_step).lower(state, (x, y))
+    return [
+        line
+        for line in lowered.as_text().splitlines()
+        if "sharding_constraint" in line or "@Sharding" in line
+    ]
+
+
+def test_output_constraint_is_in_the_lowered_train_step():
+    x, y = regression_data(64)
+    constrained = dense_model(Net)
+    train(constrained, x, y, distribution=model_parallel((4, 2)))
+    free = dense_model(Net)
+    train(free, x, y, distribution=model_parallel((4, 2), output_key=None))
+    with_key = _sharding_ops(constrained, x, y)
+    without_key = _sharding_ops(free, x, y)
+    assert len(with_key) > len(without_key)
+    # d2's (64, 8) output, split by rows over "data" (Shardy's notation).
+    assert any(
+        '[{"data"}, {}]' in line and "tensor<64x8xf32>" in line for line in with_key
+    )
+
+
+def test_nested_layer_output_key_by_path_suffix():
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d1 = keras.layers.Dense(32, name="d1")
+            self.d2 = keras.layers.Dense(8, name="d2")
+
+        def call(self, x):
+            return self.d2(self.d1(x))
+
+    class Subclassed(keras_parallel.DistributedModel, keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.block = Block(name="block")
+
+        def call(self, x):
+            return self.block(x)
+
+    model = Subclassed(name="net")
+    model(np.zeros((2, 16), "float32"))
+    mesh = keras.distribution.DeviceMesh((4, 2), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d2/output"] = ("data", None)
+    layout_map[".*d1/kernel"] = (None, "model")
+    model.compile(
+        optimizer="sgd",
+        loss="mse",
+        distribution=keras.distribution.ModelParallel(layout_map=layout_map),
+    )
+    plan = model._kp_binding.plan
+    assert [(o.key, o.path) for o in plan.outputs] == [("d2/output", "net/block/d2/output")]
+    x, y = regression_data(64)
+    model.fit(x, y, batch_size=32, verbose=0)
+    assert model.block.d1.kernel.value.sharding.spec == P(None, "model")
+
+
+def test_subclassed_model_built_by_fit_is_distributed():
+    class Subclassed(keras_parallel.DistributedModel, keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d1 = keras.layers.Dense(32, name="d1")
+
+        def call(self, x):
+            return self.d1(x)
+
+    model = Subclassed(name="sub")
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["sub/d1/kernel"] = (None, "model")
+    model.compile(
+        optimizer="sgd",
+        loss="mse",
+        distribution=keras.distribution.ModelParallel(layout_map=layout_map),
+    )
+    assert model._kp_binding.plan is None  # not built: planned once fit builds it
+    x, y = regression_data(64)
+    model.fit(x, y[:, :1].repeat(32, axis=1), batch_size=32, verbose=0)
+    assert model.d1.kernel.value.sharding.spec == P(None, "model")
+    assert model._kp_binding.plan is not None
+
+
+def test_model_trained_before_the_distribution_continues_exactly():
+    x, y = regression_data(128)
+    reference = dense_model(keras.Model)
+    train(reference, x, y, epochs=2)
+    model = dense_model(Net)
+    train(model, x, y)  # one epoch on one device, optimizer built
+    model.compile(optimizer=model.optimizer, loss="mse", distribution=keras_parallel.DataParallel())
+    model.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+    assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-5
+    assert len(model.get_layer("d1").kernel.value.sharding.device_set) == 8
+
+
+def test_no_global_distribution_left_behind():
+    x, y = regression_data(64)
+    model = dense_model(Net)
+    train(model, x, y, distribution=keras_parallel.DataParallel())
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+    assert keras.distribution.distribution() is None
+    plain = dense_model(keras.Model, name="plain")
+    train(plain, x, y)
+    assert len(plain.get_layer("d1").kernel.value.sharding.device_set) == 1
+
+
+def test_evaluate_predict_and_on_batch_methods_match_one_device():
+    x, y = regression_data(200)
+    reference = dense_model(keras.Model)
+    reference.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    model = dense_model(Net)
+    model.compile(
+        optimizer="sgd", loss="mse", metrics=["mae"], distribution=model_parallel((4, 2))
+    )
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=64, verbose=0),
+        reference.evaluate(x, y, batch_size=64, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=64, verbose=0),
+        reference.predict(x, batch_size=64, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        model.predict_on_batch(x[:64]), reference.predict_on_batch(x[:64]), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        model.train_on_batch(x[:64], y[:64]),
+        reference.train_on_batch(x[:64], y[:64]),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        model.test_on_batch(x[:64], y[:64]), reference.test_on_batch(x[:64], y[:64]), rtol=1e-5
+    )
+    assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-5
+    assert keras.distribution.distribution() is None
+
+
+def test_validation_data_inside_fit():
+    x, y = regression_data(256)
+    reference = dense_model(keras.Model)
+    reference.compile(optimizer="sgd", loss="mse")
+    expected = reference.fit(
+        x, y, batch_size=64, validation_data=(x[:100], y[:100]), shuffle=False, verbose=0
+    )
+    model = dense_model(Net)
+    model.compile(optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel())
+    history = model.fit(
+        x, y, batch_size=64, validation_data=(x[:100], y[:100]), shuffle=False, verbose=0
+    )
+    np.testing.assert_allclose(
+        history.history["val_loss"], expected.history["val_loss"], rtol=1e-5
+    )
+
+
+def test_compile_without_distribution_returns_to_one_device():
+    x, y = regression_data(64)
+    model = dense_model(Net)
+    train(model, x, y, distribution=keras_parallel.DataParallel())
+    assert model.distribution is not None
+    train(model, x, y, distribution=None)
+    assert model.distribution is None
+    assert len(model.get_layer("d1").kernel.value.sharding.device_set) == 1
+
+
+def test_fit_prints_the_plan_once_when_verbose(capsys):
+    x, y = regression_data(64)
+    model = dense_model(Net)
+    model.compile(optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel())
+    model.fit(x, y, batch_size=32, verbose=2)
+    model.fit(x, y, batch_size=32, verbose=2)
+    out = capsys.readouterr().out
+    assert out.count("Sharding plan of 'net'") == 1
+    assert "d1/kernel" in out
