@@ -1,0 +1,172 @@
+"""The TensorFlow executor: `DataParallel` through `tf.distribute.MirroredStrategy`.
+
+Keras's TensorFlow trainer already runs `fit`, `evaluate` and `predict` under
+a `tf.distribute` strategy: it distributes each global batch over the
+replicas (`experimental_distribute_dataset`), runs the step in each
+(`strategy.run`), and the optimizer all-reduces the gradients. It expects the
+model to have been created under the strategy's scope, which a model built
+before the distribution was given was not. So this executor
+
+- re-creates the model's, optimizer's and metrics' variables under a
+  strategy over the mesh's devices, keeping their values (`apply`; see
+  `tf_variables` for what that costs), and tells the model and optimizer
+  which strategy they run under;
+- while an entry point runs, enters the strategy's scope and makes Keras's
+  per-replica loss weighting exact for uneven batches (`scope`; see
+  `tf_exact`);
+- brings everything back to plain one-device variables (`release`).
+
+Only `DataParallel` is available: `tf.distribute` has no equivalent of a
+`LayoutMap` that Keras's TensorFlow backend drives. `ModelParallel` is
+refused in `check`, before anything is touched.
+"""
+
+import contextlib
+
+import numpy as np
+import tensorflow as tf
+from keras.distribution import DataParallel
+
+from keras_parallel.errors import ShardingError
+from keras_parallel.executors import tf_devices
+from keras_parallel.executors import tf_exact
+from keras_parallel.executors import tf_variables
+from keras_parallel.executors.base import Executor
+
+
+class TensorFlowExecutor(Executor):
+    """Runs a data-parallel plan under a `MirroredStrategy` (see module docstring).
+
+    Args:
+        distribution: a `keras.distribution.DataParallel` over local devices.
+
+    Example:
+
+    ```python
+    model.compile(optimizer="sgd", loss="mse",
+                  distribution=keras_parallel.DataParallel())  # all GPUs
+    model.fit(x, y, batch_size=64)  # the global batch, split over the GPUs
+    ```
+    """
+
+    backend = "tensorflow"
+
+    def __init__(self, distribution):
+        super().__init__(distribution)
+        self.strategy = None
+        self._devices = None
+        self._applied = False
+
+    # ----------------------------------------------------------- devices
+    @classmethod
+    def list_devices(cls):
+        return tf_devices.local_devices()
+
+    def device_names(self, devices):
+        return [tf_devices.normalize(d) for d in devices]
+
+    @classmethod
+    def demo_main(cls, run, num_devices):
+        """Splits the CPU into `num_devices` logical devices if there is no GPU."""
+        if not tf.config.list_physical_devices("GPU"):
+            tf_devices.split_cpu(num_devices)
+        return run()
+
+    # --------------------------------------------------------- lifecycle
+    def check(self, distribution):
+        if not isinstance(distribution, DataParallel) or getattr(
+            distribution, "_layout_map", None
+        ):
+            raise NotImplementedError(
+                "keras_parallel runs only DataParallel on the TensorFlow "
+                "backend (through tf.distribute.MirroredStrategy); "
+                "ModelParallel and other layouts of variables are available "
+                "on the JAX and torch backends. Received: distribution="
+                f"{type(distribution).__name__} with KERAS_BACKEND="
+                "'tensorflow'; use keras_parallel.DataParallel(), or set "
+                "KERAS_BACKEND=jax (or torch) to shard variables."
+            )
+        axes = tuple(distribution.device_mesh.axis_names)
+        if len(axes) != 1:
+            raise ShardingError(
+                "DataParallel on TensorFlow needs a one-dimensional device "
+                f"mesh. Received: mesh shape={distribution.device_mesh.shape},"
+                f" axis_names={list(axes)}; pass `devices=` or a 1D "
+                "DeviceMesh."
+            )
+
+    def apply(self, model, plan):
+        strategy = self._strategy_for(plan.devices)
+        # A model built inside `scope` (first fit of an unbuilt model) already
+        # has its variables under this strategy: only the others are moved.
+        tf_variables.move_variables(model, strategy)
+        _attach(model, strategy)
+        self._applied = True
+
+    @contextlib.contextmanager
+    def scope(self, model):
+        strategy = self._strategy_for(self._mesh_devices())
+        attached = getattr(model, "_distribute_strategy", None) is strategy
+        if not attached:
+            # Not applied yet (an unbuilt model): Keras builds it under the
+            # model's strategy, so its variables are born mirrored.
+            previous = _detach_state(model)
+            _attach(model, strategy)
+        try:
+            # In the strategy's scope, metric states read as their sum over
+            # replicas, and variables created lazily are mirrored.
+            with strategy.scope(), tf_exact.patched(model):
+                yield
+        finally:
+            if not attached and not self._applied:
+                # Nothing was applied (the run failed before the model was
+                # built): leave the model as it came.
+                _restore_state(model, previous)
+
+    def release(self, model):
+        tf_variables.move_variables(model, None)
+        _restore_state(model, (None, tf.distribute.get_strategy()))
+        self._applied = False
+
+    # ----------------------------------------------------------- helpers
+    def _mesh_devices(self):
+        devices = np.asarray(self.distribution.device_mesh.devices).flat
+        return tuple(self.device_names(list(devices)))
+
+    def _strategy_for(self, devices):
+        devices = tuple(devices)
+        if self.strategy is None or devices != self._devices:
+            self.strategy = tf_exact.strategy_for(
+                [_tf_device_name(d) for d in devices]
+            )
+            self._devices = devices
+        return self.strategy
+
+
+def _tf_device_name(name):
+    kind, _, index = name.partition(":")
+    return f"/device:{kind.upper()}:{index}"
+
+
+def _attach(model, strategy):
+    """Tells Keras's trainer and optimizer which strategy they run under."""
+    model._distribute_strategy = strategy
+    optimizer = getattr(model, "optimizer", None)
+    for o in tf_variables._optimizers_of(model) if optimizer is not None else []:
+        o._distribution_strategy = strategy
+
+
+def _detach_state(model):
+    optimizer = getattr(model, "optimizer", None)
+    return (
+        getattr(model, "_distribute_strategy", None),
+        getattr(optimizer, "_distribution_strategy", None),
+    )
+
+
+def _restore_state(model, state):
+    model_strategy, optimizer_strategy = state
+    model._distribute_strategy = model_strategy
+    if optimizer_strategy is not None:
+        for o in tf_variables._optimizers_of(model):
+            o._distribution_strategy = optimizer_strategy

@@ -1,0 +1,275 @@
+"""The torch executor: DistributedDataParallel under Keras's own torch trainer.
+
+One process per device (`torchrun`, `keras-parallel launch` or
+`keras_parallel.launch`), each running the user's unchanged script. Keras's
+torch trainer runs `fit`, `evaluate` and `predict` on every rank over the
+same global batches; this executor supplies only what it needs:
+
+- `apply`: wraps the model's parameters in `DistributedDataParallel`
+  (which broadcasts rank 0's weights), folds the rank into the dropout seed
+  states, and makes `model.save` write on rank 0 only.
+- `scope`: while an entry point runs, installs the per-rank steps of
+  `keras_parallel.torch_steps` (slice of each global batch, forward through
+  DDP, global metrics, gathered predictions), silences the progress bar and
+  file-writing callbacks on ranks other than 0, gives every rank rank 0's
+  random state (one shuffle for all), and, with `sync_batchnorm`, makes
+  BatchNorm use global batch statistics.
+- the collectives, over `torch.distributed`, doing nothing in one process.
+
+In a single process with no process group (no `torchrun`), `DataParallel()`
+spans one device and `fit` is plain Keras, after one info line.
+"""
+
+import contextlib
+import random
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from keras.src.backend.torch import trainer as keras_torch_trainer
+from keras.src.utils import io_utils
+
+from keras_parallel import torch_group
+from keras_parallel.errors import ShardingError
+from keras_parallel.executors.base import Executor
+from keras_parallel.torch_chief import ChiefOnlyCallbacks
+from keras_parallel.torch_chief import chief_only_saving
+from keras_parallel.torch_steps import DDPModule
+from keras_parallel.torch_steps import RankSteps
+from keras_parallel.torch_sync_bn import SyncBatchNorm
+
+_SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
+
+
+def keras_wraps_ddp():
+    """Whether the installed Keras wraps the model in DDP itself.
+
+    Keras's development branch does (`TorchTrainer._setup_ddp`); then this
+    executor must not wrap it a second time.
+    """
+    return any("ddp" in name.lower() for name in dir(keras_torch_trainer.TorchTrainer))
+
+
+class TorchExecutor(Executor):
+    """Runs `DataParallel` with `DistributedDataParallel` (see module docstring).
+
+    Options are read from the distribution, where the user gives it:
+    `sync_batchnorm` (default False) and `find_unused_parameters` (default
+    False, as DDP's).
+    """
+
+    backend = "torch"
+
+    def __init__(self, distribution):
+        super().__init__(distribution)
+        torch_group.ensure_process_group()
+        self._ddp = None
+        self._steps = None
+        self._model = None
+        self._undo_saving = None
+        self._announced_single = False
+
+    # ----------------------------------------------------------- devices
+    @classmethod
+    def list_devices(cls):
+        """One device per process of the group: `["cpu:0", "cpu:1"]`.
+
+        In one process without a group: `["cpu:0"]` (or `["cuda:0"]`).
+        """
+        torch_group.ensure_process_group()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return [f"{torch_group.device_type()}:{i}" for i in range(world)]
+
+    def device_names(self, devices):
+        return [str(d).lower() for d in devices]
+
+    @classmethod
+    def demo_main(cls, run, num_devices):
+        """Runs `run` in `num_devices` processes (one per GPU if any).
+
+        Under `torchrun` (a group already set up by the environment) it just
+        runs `run` in this process, as every rank does.
+        """
+        if torch_group.env_world_size() > 1 or torch_group.is_distributed():
+            return run()
+        from keras_parallel.launch import launch
+
+        if torch.cuda.is_available():
+            num_devices = torch.cuda.device_count()
+        return launch(run, num_processes=num_devices)[0]
+
+    # --------------------------------------------------------- lifecycle
+    def check(self, distribution):
+        from keras.distribution import DataParallel
+
+        layout_map = getattr(distribution, "_layout_map", None)
+        if layout_map is not None or not isinstance(distribution, DataParallel):
+            raise ShardingError(
+                "The torch backend runs data parallelism only "
+                "(DistributedDataParallel): variable layouts are not "
+                f"supported. Received: {type(distribution).__name__}"
+                + (" with a LayoutMap" if layout_map is not None else "")
+                + "; use keras_parallel.DataParallel(), or the JAX backend "
+                "(KERAS_BACKEND=jax) for ModelParallel."
+            )
+        mesh_size = int(np.prod(distribution.device_mesh.shape))
+        if mesh_size != self.num_processes:
+            raise ShardingError(
+                "On torch, DataParallel needs one device per process of the "
+                f"process group. Received: a mesh of {mesh_size} devices and "
+                f"{self.num_processes} process(es); use "
+                "keras_parallel.DataParallel() with no argument, and start "
+                f"{mesh_size} processes with `torchrun --nproc-per-node "
+                f"{mesh_size}` or `keras-parallel launch --nproc {mesh_size}`."
+            )
+
+    def apply(self, model, plan):
+        self._close_ddp()
+        self._model = model
+        if self.num_processes == 1:
+            if not self._announced_single:
+                self._announced_single = True
+                io_utils.print_msg(
+                    "keras_parallel: one process and no torch process group, "
+                    "so DataParallel trains on one device. Start several "
+                    "processes with `torchrun` or `keras-parallel launch`."
+                )
+            return
+        self._fold_rank_into_seeds(model)
+        if keras_wraps_ddp():
+            warnings.warn(
+                "This Keras wraps the model in DistributedDataParallel "
+                "itself; keras_parallel does not wrap it again.",
+                stacklevel=2,
+            )
+        else:
+            self._ddp = self._make_ddp(model)
+        self._steps = RankSteps(model, self._ddp, self.num_processes, self.process_index)
+        if not self.is_chief and self._undo_saving is None:
+            self._undo_saving = chief_only_saving(model)
+        torch_group.on_teardown(self)
+
+    def _make_ddp(self, model):
+        module = DDPModule(model, model.call)
+        device_ids = None
+        if torch_group.device_type() == "cuda":
+            device_ids = [torch.cuda.current_device()]
+        return torch.nn.parallel.DistributedDataParallel(
+            module,
+            device_ids=device_ids,
+            broadcast_buffers=False,
+            find_unused_parameters=bool(
+                getattr(self.distribution, "find_unused_parameters", False)
+            ),
+        )
+
+    def _fold_rank_into_seeds(self, model):
+        # Every rank built the same seed states; offset them once so each
+        # rank draws its own dropout masks, as slices of one global batch do.
+        if getattr(model, "_kp_seeds_folded", False):
+            return
+        object.__setattr__(model, "_kp_seeds_folded", True)
+        for variable in model.non_trainable_variables:
+            if "seed_generator_state" in variable.path:
+                state = variable.value.detach().to(torch.int64)
+                state[0] = (state[0] + self.process_index * _SEED_STRIDE) % 2**32
+                with torch.no_grad():
+                    variable.value.copy_(state.to(variable.value.dtype))
+
+    @contextlib.contextmanager
+    def scope(self, model):
+        if self._steps is None or model is not self._model:
+            yield
+            return
+        installed = []
+        try:
+            self._sync_random_state()
+            for part in self._scope_parts(model):
+                part.install()
+                installed.append(part)
+            yield
+        except BaseException as error:
+            torch_group.publish_failure(self.process_index, error)
+            for part in reversed(installed):
+                part.uninstall()
+            raise
+        else:
+            try:
+                if self._steps.dirty:
+                    self._steps.sync_non_trainable()
+            finally:
+                for part in reversed(installed):
+                    part.uninstall()
+
+    def _scope_parts(self, model):
+        parts = [self._steps]
+        if getattr(self.distribution, "sync_batchnorm", False):
+            parts.append(SyncBatchNorm(model))
+        if not self.is_chief:
+            parts.append(ChiefOnlyCallbacks())
+        return parts
+
+    def _sync_random_state(self):
+        # One shuffle for all: the data loaders draw their permutation from
+        # the global random state, so every rank continues from rank 0's.
+        state = [torch.get_rng_state(), np.random.get_state(), random.getstate()]
+        state = self.broadcast(state)
+        torch.set_rng_state(state[0])
+        np.random.set_state(state[1])
+        random.setstate(state[2])
+
+    def release(self, model):
+        self._close_ddp()
+        if self._undo_saving is not None:
+            self._undo_saving()
+            self._undo_saving = None
+        self._model = None
+
+    def _close_ddp(self):
+        if self._steps is not None:
+            self._steps.uninstall()
+        self._steps = None
+        self._ddp = None
+
+    def close(self):
+        """Drops the DDP wrapper before the process group goes (at exit)."""
+        self._close_ddp()
+
+    # ------------------------------------------------------- collectives
+    @property
+    def num_processes(self):
+        return dist.get_world_size() if torch_group.is_distributed() else 1
+
+    @property
+    def process_index(self):
+        return dist.get_rank() if torch_group.is_distributed() else 0
+
+    def reduce(self, value, op="mean"):
+        if self.num_processes == 1:
+            return value
+        if op not in ("mean", "sum"):
+            raise ValueError(
+                f"reduce supports op='mean' or 'sum'. Received: op={op!r}."
+            )
+        tensor = torch.as_tensor(value, dtype=torch.float64).clone()
+        dist.all_reduce(tensor)
+        if op == "mean":
+            tensor /= self.num_processes
+        if isinstance(value, torch.Tensor):
+            return tensor.to(value.dtype)
+        if np.ndim(value) == 0:
+            return float(tensor)
+        return tensor.numpy()
+
+    def broadcast(self, value, src=0):
+        if self.num_processes == 1:
+            return value
+        box = [value if self.process_index == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self):
+        if self.num_processes > 1:
+            dist.barrier()
+

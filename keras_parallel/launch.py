@@ -1,0 +1,406 @@
+"""Starting one process per device, on top of `torch.distributed`.
+
+Three ways, one environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+`MASTER_ADDR`, `MASTER_PORT`), which keras_parallel reads to start the
+process group:
+
+- `torchrun --nproc-per-node N train.py` runs an unchanged script;
+- `keras-parallel launch --nproc N train.py [args]` is `torchrun` itself
+  (`torch.distributed.run`), so its restart and rendezvous options work;
+- `launch(fn, num_processes=N)` from Python or a notebook, below.
+
+`launch` hosts the rendezvous store in the calling process, as torchrun's
+agent does, so the store outlives every rank and a failing rank (even rank
+0) can be named by the others.
+"""
+
+import os
+import pickle
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+
+#: Seconds the other ranks get to stop by themselves after one failed.
+FAILURE_GRACE_S = 30.0
+#: The options that choose a rendezvous; without any, `launch` CLI runs
+#: torchrun `--standalone` (a free local port).
+_RENDEZVOUS_OPTIONS = (
+    "--standalone",
+    "--nnodes",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+)
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in another process, as text."""
+
+    def __init__(self, text):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self):
+        return "\n" + self.text
+
+
+class ProcessFailedError(RuntimeError):
+    """A launched process failed with an error that could not be re-raised.
+
+    Attributes:
+        rank: the failed rank.
+    """
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port nobody listens on now (for `MASTER_PORT`)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    fn,
+    num_processes,
+    args=(),
+    *,
+    timeout=None,
+    collective_timeout=None,
+    threads_per_process=None,
+    start_method="spawn",
+):
+    """Runs `fn(*args)` in `num_processes` processes, one per device.
+
+    Each process gets the `torchrun` environment (`RANK`, `WORLD_SIZE`,
+    `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`), so
+    `keras_parallel.DataParallel()` inside `fn` spans all of them and the
+    unchanged `model.fit` runs under `DistributedDataParallel` (gloo on CPU,
+    NCCL with GPUs).
+
+    Args:
+        fn: a function importable by name (defined in a module, not in
+            `__main__` of a notebook: processes are started with `spawn`).
+        num_processes: how many processes (ranks) to start.
+        args: the positional arguments of `fn`, picklable.
+        timeout: seconds the whole run may take; `None` for no limit. Past
+            it, every process is ended and `TimeoutError` is raised.
+        collective_timeout: seconds a collective waits for a silent peer
+            (`KERAS_PARALLEL_TIMEOUT`, default 300).
+        threads_per_process: torch threads in each process; defaults to the
+            CPU count divided by `num_processes` (at least 1), unless
+            `OMP_NUM_THREADS` is set.
+        start_method: the `multiprocessing` start method.
+
+    Returns:
+        The values `fn` returned, ordered by rank.
+
+    Raises:
+        Exception: the exception of the first rank that failed, re-raised
+            with its traceback (as `__cause__`) and a `rank` attribute; other
+            ranks are ended. `ProcessFailedError` if it cannot be re-raised
+            as itself (unpicklable, or the process died without a word).
+        TimeoutError: `timeout` passed.
+
+    Example:
+
+    ```python
+    def train(epochs):
+        model = make_model()  # a keras_parallel.DistributedModel
+        model.compile(..., distribution=keras_parallel.DataParallel())
+        model.fit(x, y, batch_size=64, epochs=epochs)
+        return model.evaluate(x_test, y_test)
+
+    results = keras_parallel.launch.launch(train, num_processes=2, args=(3,))
+    ```
+    """
+    import multiprocessing
+
+    from torch.distributed import TCPStore
+
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(
+            "num_processes must be a positive int. Received: "
+            f"num_processes={num_processes!r}; pass e.g. 2."
+        )
+    if threads_per_process is None:
+        threads_per_process = max(1, (os.cpu_count() or 1) // num_processes)
+    port = free_port()
+    # The store the ranks rendezvous on lives here, as torchrun's agent
+    # store does: it outlives every rank, so failures can still be named.
+    store = TCPStore(
+        "127.0.0.1", port, num_processes, True, wait_for_workers=False
+    )
+    context = multiprocessing.get_context(start_method)
+    results = context.SimpleQueue()
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(num_processes),
+        "LOCAL_WORLD_SIZE": str(num_processes),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    if collective_timeout is not None:
+        env["KERAS_PARALLEL_TIMEOUT"] = str(collective_timeout)
+    processes = []
+    for rank in range(num_processes):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        process = context.Process(
+            target=_child,
+            args=(fn, tuple(args), rank, rank_env, threads_per_process, results),
+            name=f"keras-parallel-rank-{rank}",
+        )
+        process.start()
+        processes.append(process)
+    try:
+        return _collect(processes, results, timeout)
+    finally:
+        _end(processes)
+        del store
+
+
+def _child(fn, args, rank, env, threads, results):
+    """The body of one launched process: run `fn`, report, exit."""
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        value = fn(*args)
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as error:  # Reported to the parent, whatever it is.
+        code = 1
+        results.put((rank, "error", _describe(error)))
+    finally:
+        _teardown_child()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # Skip the interpreter's own teardown: everything that must close was
+    # closed above, and a half-torn-down process group can hang a rank.
+    os._exit(code)
+
+
+def _describe(error):
+    from keras_parallel.torch_group import PeerFailedError
+    from keras_parallel.torch_group import publish_failure
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        publish_failure(rank, error)
+    except Exception:
+        pass
+    try:
+        payload = pickle.dumps(error)
+        pickle.loads(payload)
+    except Exception:
+        payload = None
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "traceback": "".join(
+            traceback.format_exception(type(error), error, error.__traceback__)
+        ),
+        "pickled": payload,
+        "secondary": isinstance(error, PeerFailedError),
+    }
+
+
+def _teardown_child():
+    try:
+        from keras_parallel import torch_group
+
+        torch_group.teardown()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _collect(processes, results, timeout):
+    n = len(processes)
+    values = [None] * n
+    done = set()
+    failures = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failed_at = None
+    while len(done) < n:
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            missing = sorted(set(range(n)) - done)
+            raise TimeoutError(
+                f"launch: ranks {missing} did not finish within "
+                f"timeout={timeout} s. Received: num_processes={n}; raise "
+                "`timeout`, or look for a rank waiting on the others."
+            )
+        if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
+            break
+        message = _poll(results)
+        if message is None:
+            for rank, process in enumerate(processes):
+                if rank not in done and not process.is_alive():
+                    time.sleep(0.2)  # Its report may still be in the pipe.
+                    message = _poll(results)
+                    if message is None and rank not in done:
+                        failures[rank] = {
+                            "type": "ProcessFailedError",
+                            "message": f"rank {rank} exited with code "
+                            f"{process.exitcode} without reporting a result",
+                            "traceback": "",
+                            "pickled": None,
+                            "secondary": False,
+                        }
+                        done.add(rank)
+                        failed_at = failed_at or time.monotonic()
+                    break
+            if message is None:
+                continue
+        rank, status, payload = message
+        done.add(rank)
+        if status == "ok":
+            values[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
+            failed_at = failed_at or time.monotonic()
+    if failures:
+        _raise_first(failures, n)
+    return values
+
+
+def _poll(results, wait_s=0.05):
+    # SimpleQueue has no timeout: poll its reader.
+    if results._reader.poll(wait_s):
+        return results.get()
+    return None
+
+
+def _raise_first(failures, n):
+    primary = [r for r, f in failures.items() if not f["secondary"]]
+    rank = min(primary) if primary else min(failures)
+    failure = failures[rank]
+    error = None
+    if failure["pickled"] is not None:
+        try:
+            error = pickle.loads(failure["pickled"])
+        except Exception:
+            error = None
+    if error is None:
+        error = ProcessFailedError(
+            f"Rank {rank} of {n} failed: {failure['type']}: {failure['message']}",
+            rank=rank,
+        )
+    try:
+        error.rank = rank
+    except Exception:
+        pass
+    if hasattr(error, "add_note"):
+        error.add_note(f"(raised on rank {rank} of {n} processes started by launch)")
+    raise error from RemoteTraceback(failure["traceback"] or failure["message"])
+
+
+def _end(processes):
+    for process in processes:
+        process.join(timeout=5 if process.is_alive() else 0)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+
+
+# ---------------------------------------------------------------- the CLI
+def main(argv=None):
+    """`keras-parallel launch [--nproc N] [torchrun options] script [args]`.
+
+    A thin layer over `torch.distributed.run` (torchrun): `--nproc N` is
+    `--nproc-per-node N`, and `--standalone` is added when no rendezvous
+    option is given. Every other torchrun option passes through.
+
+    Args:
+        argv: the arguments after `launch`.
+
+    Returns:
+        The exit status: 0, or 1 if a rank failed.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: keras-parallel launch [--nproc N] [torchrun options] "
+            "script.py [script args]\n\nRuns script.py in N processes with "
+            "torch.distributed.run (torchrun); every torchrun option works. "
+            "torchrun's own help follows.\n"
+        )
+        from torch.distributed import run
+
+        run.get_args_parser().print_help()
+        return 0
+    torchrun_args = _torchrun_args(argv)
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        run.run(run.parse_args(torchrun_args))
+    except ChildFailedError as error:
+        print(f"keras-parallel launch: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _torchrun_args(argv):
+    out = []
+    i = 0
+    script_at = None
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--nproc" and i + 1 < len(argv):
+            out += ["--nproc-per-node", argv[i + 1]]
+            i += 2
+            continue
+        if arg.startswith("--nproc="):
+            out.append("--nproc-per-node=" + arg.split("=", 1)[1])
+        elif not arg.startswith("-") and (not out or not _takes_value(out[-1])):
+            script_at = len(out)
+            out += argv[i:]
+            break
+        else:
+            out.append(arg)
+        i += 1
+    options = out if script_at is None else out[:script_at]
+    if not any(o.split("=", 1)[0] in _RENDEZVOUS_OPTIONS for o in options):
+        out.insert(0, "--standalone")
+    return out
+
+
+def _takes_value(option):
+    # torchrun options that are flags; every other option takes a value.
+    flags = {
+        "--standalone",
+        "--no-python",
+        "--no_python",
+        "--run-path",
+        "--run_path",
+        "-m",
+        "--module",
+    }
+    return option.startswith("-") and "=" not in option and option not in flags
+
+
+if __name__ == "__main__":
+    queue_module  # noqa: B018 - kept for readers: results use SimpleQueue.
+    sys.exit(main())

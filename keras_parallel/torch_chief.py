@@ -1,0 +1,107 @@
+"""Rank 0 alone prints and writes files; every rank decides the same.
+
+Every rank runs Keras's loop and its callbacks, with the same (global) logs,
+so `EarlyStopping` and `ReduceLROnPlateau` decide the same everywhere. What
+must happen once is silenced on the other ranks while an entry point runs:
+the progress bar and the callbacks that write files. Their hooks are
+replaced on the *class*, in non-chief processes only, because a
+`ShardingCallback` enters after Keras made the `CallbackList` (and its
+progress bar): a class attribute is still looked up at every call.
+
+`model.save` / `save_weights` are made to write on rank 0 only, for the
+model's whole distributed life, so the usual `model.save(path)` after `fit`
+writes one file.
+"""
+
+from keras import callbacks
+
+_HOOKS = (
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+    "on_batch_begin",
+    "on_batch_end",
+)
+
+
+def _silenced():
+    """`{callback class: hooks silenced on non-chief ranks}`."""
+    writers = [
+        callbacks.ProgbarLogger,
+        callbacks.ModelCheckpoint,
+        callbacks.CSVLogger,
+        callbacks.TensorBoard,
+    ]
+    silenced = {cls: _HOOKS for cls in writers}
+    # BackupAndRestore reads its backup on every rank (on_train_begin) and
+    # writes or deletes it on rank 0 only.
+    silenced[callbacks.BackupAndRestore] = (
+        "on_epoch_end",
+        "on_train_batch_end",
+        "on_train_end",
+    )
+    return silenced
+
+
+def _noop(self, *args, **kwargs):
+    return None
+
+
+class ChiefOnlyCallbacks:
+    """Silences printing and file-writing callbacks on non-chief ranks."""
+
+    def __init__(self):
+        self._saved = []
+
+    def install(self):
+        for cls, hooks in _silenced().items():
+            for hook in hooks:
+                self._saved.append((cls, hook, cls.__dict__.get(hook)))
+                setattr(cls, hook, _noop)
+
+    def uninstall(self):
+        for cls, hook, value in reversed(self._saved):
+            if value is None:
+                delattr(cls, hook)
+            else:
+                setattr(cls, hook, value)
+        self._saved = []
+
+
+def chief_only_saving(model):
+    """Makes `model.save` and `save_weights` do nothing on this (non-chief) rank.
+
+    Args:
+        model: the Keras model of a non-chief rank.
+
+    Returns:
+        A function that undoes it.
+    """
+    names = ("save", "save_weights")
+    saved = {name: model.__dict__.get(name) for name in names}
+
+    def skip(*args, **kwargs):
+        return None
+
+    for name in names:
+        object.__setattr__(model, name, skip)
+
+    def undo():
+        for name, value in saved.items():
+            if value is None:
+                model.__dict__.pop(name, None)
+            else:
+                object.__setattr__(model, name, value)
+
+    return undo

@@ -1,0 +1,227 @@
+"""The torch process group: started from the environment, torn down once.
+
+One process per device, as `torchrun` (or `keras_parallel.launch`) starts
+them: each finds its rank in `RANK` / `WORLD_SIZE` / `LOCAL_RANK`. If those
+say there are several processes and no group exists yet, keras_parallel
+starts one (NCCL on `cuda:LOCAL_RANK` where there are GPUs, gloo on CPU
+otherwise) and, because it started it, destroys it at exit. A group the user
+started is the user's to destroy.
+
+A failing rank is named: the step that raises writes `"<rank>: <error>"`
+under `FAILURE_KEY` in the group's store before re-raising, and a rank whose
+collective then breaks reads it and raises `PeerFailedError` naming that
+rank. Under `torchrun` and `launch` the store lives in the launcher, so it
+outlives any rank, rank 0 included.
+"""
+
+import atexit
+import datetime
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+
+#: Where a failing rank leaves its name and error in the group's store.
+FAILURE_KEY = "keras_parallel/failed"
+#: Seconds every collective may wait for a peer before it fails: bounds how
+#: long a rank waits for a peer that died without a word.
+DEFAULT_TIMEOUT_S = 300
+TIMEOUT_ENV = "KERAS_PARALLEL_TIMEOUT"
+
+_started_here = False
+_teardown_hooks = weakref.WeakSet()
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank of the process group failed, so this one stops.
+
+    Attributes:
+        rank: the rank that failed, or `None` if it could not be told.
+    """
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def timeout_seconds():
+    """The collective timeout: `$KERAS_PARALLEL_TIMEOUT`, else 300 s."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(
+            f"{TIMEOUT_ENV} must be a number of seconds. Received: "
+            f"{TIMEOUT_ENV}={value!r}; set it to e.g. 60."
+        ) from None
+    if seconds <= 0:
+        raise ValueError(
+            f"{TIMEOUT_ENV} must be positive. Received: {TIMEOUT_ENV}={value!r}."
+        )
+    return seconds
+
+
+def env_world_size():
+    """`WORLD_SIZE` as set by `torchrun` / `launch`, or 1."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def is_distributed():
+    """Whether a process group of more than one process is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def ensure_process_group():
+    """Starts the process group the environment asks for, once.
+
+    Returns:
+        True if a group of more than one process is running now.
+
+    Raises:
+        RuntimeError: the environment names several processes but torch was
+            built without `torch.distributed`.
+    """
+    global _started_here
+    if not dist.is_available():
+        if env_world_size() > 1:
+            raise RuntimeError(
+                "WORLD_SIZE asks for several processes but this torch build "
+                "has no torch.distributed. Received: WORLD_SIZE="
+                f"{env_world_size()}; install a torch build with distributed "
+                "support."
+            )
+        return False
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    if env_world_size() <= 1 or "MASTER_ADDR" not in os.environ:
+        return False
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        # Keras puts variables on the current CUDA device: make it ours
+        # before any variable exists.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method="env://",
+        timeout=datetime.timedelta(seconds=timeout_seconds()),
+    )
+    _started_here = True
+    atexit.register(teardown)
+    return dist.get_world_size() > 1
+
+
+def device_type():
+    """`"cuda"` when each rank drives a GPU, else `"cpu"`."""
+    if dist.is_initialized():
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_teardown(hook):
+    """Registers an object whose `close()` must run before the group goes.
+
+    DDP wrappers are closed this way: a wrapped module that outlives
+    `destroy_process_group` can leave a rank hanging at exit.
+
+    Args:
+        hook: an object with a `close()` method, held weakly.
+    """
+    _teardown_hooks.add(hook)
+
+
+def teardown():
+    """Closes the registered DDP wrappers, then the group if we started it."""
+    global _started_here
+    for hook in list(_teardown_hooks):
+        try:
+            hook.close()
+        except Exception:  # Teardown must go on: each hook is best effort.
+            pass
+    _teardown_hooks.clear()
+    if _started_here and dist.is_available() and dist.is_initialized():
+        _started_here = False
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # Private API: without it failures are just unnamed.
+        return None
+
+
+def publish_failure(rank, error):
+    """Leaves `"<rank>: <error>"` in the store, first failure wins.
+
+    Args:
+        rank: this process's rank.
+        error: the exception it raised.
+    """
+    if isinstance(error, PeerFailedError):
+        return
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.compare_set(
+            FAILURE_KEY, "", f"{rank}: {type(error).__name__}: {error}"[:2000]
+        )
+    except Exception:
+        pass
+
+
+def peer_failure(wait_s=5.0):
+    """The failure another rank published, as `(rank, text)`, or `None`.
+
+    Args:
+        wait_s: how long to wait for the key: the failing rank writes it
+            just before its process ends, which may be after our collective
+            broke.
+    """
+    store = _store()
+    if store is None:
+        return None
+    try:
+        store.wait([FAILURE_KEY], datetime.timedelta(seconds=wait_s))
+        text = store.get(FAILURE_KEY).decode()
+    except Exception:
+        return None
+    rank, _, message = text.partition(": ")
+    try:
+        return int(rank), message
+    except ValueError:
+        return None, text
+
+
+def peer_failed_error(error, own_rank, where):
+    """The error to raise when a collective broke because a peer stopped.
+
+    Args:
+        error: what the collective raised.
+        own_rank: this process's rank.
+        where: what this rank was doing (`"train step 3"`).
+
+    Returns:
+        A `PeerFailedError` naming the failed rank when it is known.
+    """
+    found = peer_failure()
+    if found is not None and found[0] != own_rank:
+        rank, message = found
+        return PeerFailedError(
+            f"Rank {rank} failed, so rank {own_rank} stopped during {where}. "
+            f"Rank {rank} raised: {message}. See rank {rank}'s traceback for "
+            "the cause.",
+            rank=rank,
+        )
+    return PeerFailedError(
+        f"A collective failed on rank {own_rank} during {where}, most likely "
+        f"because another rank stopped. Received: {type(error).__name__}: "
+        f"{error}. See the other ranks' output for the cause; "
+        f"{TIMEOUT_ENV} bounds how long a rank waits for a silent peer."
+    )

@@ -1,0 +1,394 @@
+"""What each rank does inside Keras's own torch steps.
+
+Every rank runs Keras's unchanged `fit` / `evaluate` / `predict` loop over
+the *same* global batches (the whole data set, one shared shuffle). What
+changes is inside one step, and only there, so it works the same for the
+`DistributedModel` door and the `ShardingCallback` door (the callback cannot
+rewrite `fit`'s arguments, but both can reach the step):
+
+- Slice: rank `r` of `W` takes rows `[start_r, stop_r)` of the global batch
+  of `B` rows, sizes differing by at most one (43 rows over 2 ranks: 22 and
+  21). A batch of fewer than `W` rows (the tail of an epoch) is computed
+  whole on every rank, as the JAX executor does with a batch its data axis
+  does not divide.
+- Train: the model's forward pass is routed through
+  `DistributedDataParallel`, which averages the gradients over ranks during
+  backward (bucketed, overlapped). An average of per-rank mean losses is the
+  global mean only if every rank has `B / W` rows, so the output gradient of
+  rank `r` is scaled by `W * n_r / sum(n)`: the average is then exactly the
+  gradient of the global batch's mean loss, uneven last batch included.
+- Metrics: every metric state (the loss tracker's total and count, the
+  accuracy's, ...) is made global after each step by adding the sum over
+  ranks of this step's change. Keras then reads the same numbers on every
+  rank, and they are the single-process numbers. This assumes additive
+  states (sums and counts), as every built-in Keras metric has.
+- Check: the same reduction carries each rank's global batch size and a
+  checksum of its first input, so ranks fed different data (other sizes,
+  another shuffle) fail with a `ValueError` instead of silently training on
+  something else.
+- Predict: each rank predicts its rows, and the rows are gathered back into
+  input order on every rank.
+"""
+
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from keras.src import tree
+
+from keras_parallel import torch_group
+
+
+def split_rows(rows, world_size, rank):
+    """The rows of a global batch that one rank computes.
+
+    Args:
+        rows: the global batch size `B`.
+        world_size: the number of ranks `W`.
+        rank: this rank.
+
+    Returns:
+        `(start, stop, whole)`: the row range, and whether every rank
+        computes the whole batch (`B < W`).
+
+    Example:
+
+    >>> split_rows(43, 2, 1)
+    (22, 43, False)
+    """
+    if rows < world_size:
+        return 0, rows, True
+    base, extra = divmod(rows, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0), False
+
+
+def batch_rows(data):
+    """The number of rows of a batch: the first dimension of its first input."""
+    for leaf in tree.flatten(data):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape):
+            return int(shape[0])
+    return None
+
+
+def slice_rows(data, rows, start, stop):
+    """Every array of `data` with `rows` rows, cut to `[start, stop)`."""
+
+    def cut(leaf):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) and int(shape[0]) == rows:
+            return leaf[start:stop]
+        return leaf
+
+    return tree.map_structure(cut, data)
+
+
+def checksum(data):
+    """A float64 sum of the first input of a batch (cheap data identity)."""
+    for leaf in tree.flatten(data):
+        if isinstance(leaf, torch.Tensor):
+            return float(leaf.detach().sum(dtype=torch.float64))
+        if isinstance(leaf, np.ndarray) and leaf.dtype != object:
+            return float(np.sum(leaf, dtype=np.float64))
+    return 0.0
+
+
+class DDPModule(torch.nn.Module):
+    """The Keras model as DDP sees it: its parameters and its `call`.
+
+    DDP broadcasts rank 0's values of the registered parameters when it is
+    made and averages the gradients of the trainable ones. Only floating
+    parameters are registered: the integer seed-generator states stay per
+    rank (gloo cannot broadcast them, and each rank should draw its own
+    dropout masks).
+
+    Args:
+        model: the Keras model (a `torch.nn.Module` on this backend).
+        call: the model's own `call`, which `forward` runs.
+    """
+
+    def __init__(self, model, call):
+        super().__init__()
+        params = [
+            p for _, p in model.named_parameters() if torch.is_floating_point(p)
+        ]
+        self.params = torch.nn.ParameterList(params)
+        # Held outside the module tree: registering the model as a submodule
+        # would register its integer parameters too.
+        self._call = [call]
+
+    def forward(self, *args, **kwargs):
+        return self._call[0](*args, **kwargs)
+
+
+class RankSteps:
+    """Installs the per-rank train/test/predict steps on one model.
+
+    The steps are instance attributes that wrap the model's own (so a
+    subclass's custom `train_step` runs too), set while an entry point runs
+    and removed after.
+
+    Args:
+        model: the Keras model.
+        ddp: the `DistributedDataParallel` of `DDPModule(model)`, or `None`
+            to run the forward pass without it (Keras wraps it itself).
+        world_size: the number of ranks.
+        rank: this rank.
+    """
+
+    _ATTRS = ("train_step", "test_step", "predict_step", "get_metrics_result")
+
+    def __init__(self, model, ddp, world_size, rank):
+        self.model = model
+        self.ddp = ddp
+        self.world_size = world_size
+        self.rank = rank
+        self._installed = False
+        self._saved = {}
+        self._own_call = None
+        self._grad_scale = 1.0
+        self._pending = None  # Metric states before this step, flat.
+        self._whole = False
+        self._step = 0
+        #: Set by a train step: non-trainable variables (BatchNorm moving
+        #: statistics) may differ across ranks until `sync_non_trainable`.
+        self.dirty = False
+
+    # -------------------------------------------------------- install
+    def install(self):
+        if self._installed:
+            return
+        model = self.model
+        for name in self._ATTRS + ("call",):
+            self._saved[name] = model.__dict__.get(name)
+        self._own_call = model.call
+        originals = {
+            "train_step": model.train_step,
+            "test_step": model.test_step,
+            "predict_step": model.predict_step,
+        }
+        self._original_metrics_result = model.get_metrics_result
+        # object.__setattr__: Keras's and torch's __setattr__ would track or
+        # register these functions; they are plain per-instance overrides.
+        object.__setattr__(
+            model, "train_step", self._wrap(originals["train_step"], "train")
+        )
+        object.__setattr__(
+            model, "test_step", self._wrap(originals["test_step"], "test")
+        )
+        object.__setattr__(
+            model, "predict_step", self._wrap(originals["predict_step"], "predict")
+        )
+        object.__setattr__(model, "get_metrics_result", self._metrics_result)
+        self._step = 0
+        self._installed = True
+
+    def uninstall(self):
+        if not self._installed:
+            return
+        for name, value in self._saved.items():
+            if value is None:
+                self.model.__dict__.pop(name, None)
+            else:
+                object.__setattr__(self.model, name, value)
+        self._saved = {}
+        self._installed = False
+
+    # ---------------------------------------------------------- steps
+    def _wrap(self, step, kind):
+        def rank_step(data):
+            where = f"{kind} step {self._step}"
+            try:
+                return self._run(step, kind, data)
+            except torch_group.PeerFailedError:
+                raise
+            except Exception as error:
+                if _is_collective_failure(error):
+                    raise torch_group.peer_failed_error(
+                        error, self.rank, where
+                    ) from error
+                torch_group.publish_failure(self.rank, error)
+                raise
+            finally:
+                self._step += 1
+
+        rank_step.__name__ = f"keras_parallel_{kind}_step"
+        return rank_step
+
+    def _run(self, step, kind, data):
+        rows = batch_rows(data)
+        if rows is None:
+            return step(data)
+        if kind == "train" and self._step == 0 and rows < self.world_size:
+            raise ValueError(
+                f"The global batch has {rows} rows but {self.world_size} "
+                "processes train on it, and each needs at least one row. "
+                f"Received: batch of {rows} rows, world size "
+                f"{self.world_size}; use batch_size >= {self.world_size} "
+                "(batch_size is the global batch, split over the processes)."
+            )
+        if kind != "train" and self.dirty:
+            self.sync_non_trainable()
+        start, stop, whole = split_rows(rows, self.world_size, self.rank)
+        local = data if whole else slice_rows(data, rows, start, stop)
+        self._whole = whole
+        if kind == "predict":
+            outputs = step(local)
+            return outputs if whole else self._gather(outputs, rows)
+        self._pending = self._metric_state()
+        self._checks = (rows, checksum(data))
+        if kind == "train":
+            self.dirty = True
+            used = rows * self.world_size if whole else rows
+            self._grad_scale = self.world_size * (stop - start) / used
+            self._route_call(True)
+            try:
+                logs = step(local)
+            finally:
+                self._route_call(False)
+        else:
+            logs = step(local)
+        if self._pending is not None:
+            # A custom step that never asked for the metrics' results.
+            self._reduce_metrics()
+        return logs
+
+    def _route_call(self, on):
+        model = self.model
+        if not on:
+            if self._saved.get("call") is None:
+                model.__dict__.pop("call", None)
+            else:
+                object.__setattr__(model, "call", self._saved["call"])
+            return
+        if self.ddp is None and self._grad_scale == 1.0:
+            return
+        object.__setattr__(model, "call", self._routed_call)
+
+    def _routed_call(self, *args, **kwargs):
+        # Keras's Layer.__call__ looks `call` up on the instance: this sends
+        # the outermost forward through DDP, which runs the model's own call.
+        if self.ddp is not None and torch.is_grad_enabled():
+            outputs = self.ddp(*args, **kwargs)
+        else:
+            outputs = self._own_call(*args, **kwargs)
+        scale = self._grad_scale
+        if scale != 1.0:
+            for t in tree.flatten(outputs):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, s=scale: g * s)
+        return outputs
+
+    # -------------------------------------------------------- metrics
+    def _metric_variables(self):
+        return list(self.model.metrics_variables)
+
+    def _metric_state(self):
+        variables = self._metric_variables()
+        if not variables:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat(
+            [v.value.detach().reshape(-1).to(torch.float64) for v in variables]
+        )
+
+    def _metrics_result(self):
+        if self._pending is not None:
+            self._reduce_metrics()
+        return self._original_metrics_result()
+
+    def _reduce_metrics(self):
+        before, self._pending = self._pending, None
+        variables = self._metric_variables()
+        after = self._metric_state()
+        delta = after - before.to(after.device)
+        if self._whole and self.rank != 0:
+            delta = torch.zeros_like(delta)  # Counted once, by rank 0.
+        rows, check = self._checks
+        extra = torch.tensor(
+            [1.0, rows, rows * rows, check, check * check], dtype=torch.float64
+        )
+        packed = torch.cat([delta, extra.to(delta.device)])
+        dist.all_reduce(packed)
+        total = before.to(after.device) + packed[: delta.numel()]
+        _check_same_batches(packed[delta.numel() :].tolist(), self.rank, rows)
+        offset = 0
+        with torch.no_grad():
+            for v in variables:
+                n = int(np.prod(v.shape)) if len(v.shape) else 1
+                piece = total[offset : offset + n].reshape(tuple(v.shape))
+                v.value.copy_(piece.to(v.value.dtype))
+                offset += n
+
+    # -------------------------------------------------------- predict
+    def _gather(self, outputs, rows):
+        width = math.ceil(rows / self.world_size)
+        sizes = [
+            stop - start
+            for start, stop, _ in (
+                split_rows(rows, self.world_size, r) for r in range(self.world_size)
+            )
+        ]
+
+        def gather(t):
+            if not isinstance(t, torch.Tensor) or not t.ndim:
+                return t
+            padded = t.new_zeros((width,) + tuple(t.shape[1:]))
+            padded[: t.shape[0]] = t
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(parts, padded.contiguous())
+            return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+        return tree.map_structure(gather, outputs)
+
+    # ---------------------------------------------------- non-trainable
+    def sync_non_trainable(self):
+        """Gives every rank rank 0's non-trainable floating variables.
+
+        BatchNorm's moving statistics are updated from each rank's own rows
+        (unless `sync_batchnorm`); as DDP does with buffers, rank 0's win.
+        """
+        self.dirty = False
+        variables = [
+            v
+            for v in self.model.non_trainable_variables
+            if torch.is_floating_point(v.value)
+        ]
+        if not variables:
+            return
+        flat = torch.cat([v.value.detach().reshape(-1) for v in variables])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        with torch.no_grad():
+            for v in variables:
+                n = v.value.numel()
+                v.value.copy_(flat[offset : offset + n].reshape(v.value.shape))
+                offset += n
+
+
+def _check_same_batches(extra, rank, rows):
+    ranks, total, squares, check, check_squares = extra
+    sizes_differ = abs(ranks * squares - total * total) > 0.5
+    spread = ranks * check_squares - check * check
+    data_differ = spread > 1e-9 * max(1.0, check * check)
+    if sizes_differ or data_differ:
+        what = "sizes" if sizes_differ else "contents"
+        raise ValueError(
+            f"The ranks received global batches of different {what} in the "
+            f"same step (rank {rank} had {rows} rows; mean over ranks "
+            f"{total / ranks:g}). Every rank must iterate the same data in "
+            "the same order: give each process the whole data set (not a "
+            "per-rank shard) with the same length; keras_parallel slices "
+            "each global batch itself."
+        )
+
+
+def _is_collective_failure(error):
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(
+        word in text
+        for word in ("gloo", "nccl", "connection closed", "connection reset", "timed out")
+    )

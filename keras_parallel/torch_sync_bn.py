@@ -1,0 +1,86 @@
+"""`sync_batchnorm=True`: Keras BatchNormalization with global batch statistics.
+
+Under data parallelism each rank normalises its own rows unless told
+otherwise; JAX data parallelism (one program over the global batch) uses the
+statistics of the whole global batch. This gives a Keras `BatchNormalization`
+layer the same on torch: its `_moments` (the only place it computes batch
+statistics) is replaced, while an entry point runs, by one that sums the
+rows' sums, squares and count over ranks with an autograd-aware all-reduce
+(as `torch.nn.SyncBatchNorm` does), so the backward pass is global too.
+"""
+
+import math
+
+import torch
+import torch.distributed.nn.functional as dist_fn
+from keras import layers
+
+
+def batchnorm_layers(model):
+    """Every Keras `BatchNormalization` layer of the model."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, layers.BatchNormalization)
+    ]
+
+
+def global_moments(layer):
+    """A `_moments(inputs, mask)` for `layer` over the rows of every rank.
+
+    Sums are taken in float64 so that one pass (mean of squares minus square
+    of mean) is as exact as a float32 two-pass variance.
+
+    Args:
+        layer: a `keras.layers.BatchNormalization`.
+
+    Returns:
+        The function, returning `(mean, variance)` like the layer's own.
+    """
+    own = layer._moments
+
+    def moments(inputs, mask):
+        if mask is not None:
+            return own(inputs, mask)  # Masked statistics: not synchronised.
+        axes = list(layer._reduction_axes)
+        x = inputs.to(torch.float64)
+        count = math.prod(x.shape[a] for a in axes)
+        sums = x.sum(dim=axes)
+        squares = (x * x).sum(dim=axes)
+        packed = torch.cat(
+            [sums, squares, torch.tensor([float(count)], dtype=torch.float64, device=x.device)]
+        )
+        packed = dist_fn.all_reduce(packed)
+        n = sums.numel()
+        total = packed[-1]
+        mean = packed[:n] / total
+        variance = torch.clamp(packed[n : 2 * n] / total - mean * mean, min=0.0)
+        dtype = inputs.dtype if inputs.dtype != torch.float16 else torch.float32
+        return mean.to(dtype), variance.to(dtype)
+
+    return moments
+
+
+class SyncBatchNorm:
+    """Installs `global_moments` on every BatchNorm layer of a model.
+
+    Args:
+        model: the Keras model.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._saved = []
+
+    def install(self):
+        for layer in batchnorm_layers(self.model):
+            self._saved.append((layer, layer.__dict__.get("_moments")))
+            object.__setattr__(layer, "_moments", global_moments(layer))
+
+    def uninstall(self):
+        for layer, value in self._saved:
+            if value is None:
+                layer.__dict__.pop("_moments", None)
+            else:
+                object.__setattr__(layer, "_moments", value)
+        self._saved = []

@@ -1,0 +1,83 @@
+"""ShardingCallback on JAX: the same effect as DistributedModel, for any model."""
+
+import keras
+import numpy as np
+import pytest
+
+from builders import dense_model
+from builders import max_relative_difference
+from builders import regression_data
+from builders import weights_of
+
+import keras_parallel
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="JAX executor tests; run them under tox -e jax",
+)
+
+
+def test_callback_fit_equals_one_device_and_leaves_no_global_state():
+    x, y = regression_data(1003)
+    reference = dense_model(keras.Model, batchnorm=True)
+    reference.compile(optimizer="sgd", loss="mse")
+    expected = reference.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+
+    model = dense_model(keras.Model, batchnorm=True)
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+    history = model.fit(
+        x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[callback]
+    )
+    assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-4
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    assert len(model.get_layer("d1").kernel.value.sharding.device_set) == 8
+    assert keras.distribution.distribution() is None
+
+
+def test_callback_on_a_trained_model_with_model_parallel_and_validation():
+    x, y = regression_data(256)
+    model = dense_model(keras.Model)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64, verbose=0)  # trained on one device first
+    mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d2/output"] = ("data", None)
+    callback = keras_parallel.ShardingCallback(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+    model.fit(
+        x, y, batch_size=64, verbose=0, validation_data=(x[:64], y[:64]), callbacks=[callback]
+    )
+    from jax.sharding import PartitionSpec as P
+
+    assert model.get_layer("d1").kernel.value.sharding.spec == P(None, "model")
+    slots = [v for v in model.optimizer.variables if "/d1_kernel_" in v.path]
+    assert all(v.value.sharding.spec == P(None, "model") for v in slots)
+    assert keras.distribution.distribution() is None
+    # evaluate and predict with the callback too.
+    assert np.isfinite(model.evaluate(x, y, verbose=0, callbacks=[callback]))
+    assert model.predict(x, verbose=0, callbacks=[callback]).shape == (256, 8)
+    assert keras.distribution.distribution() is None
+
+
+def test_callback_refuses_bad_input_at_construction():
+    with pytest.raises(ValueError, match="must be a keras.distribution.Distribution"):
+        keras_parallel.ShardingCallback({"mesh": (8,)})
+
+
+def test_callback_after_a_failed_fit_restores_on_close():
+    x, y = regression_data(64)
+    model = dense_model(keras.Model)
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=32, verbose=0, callbacks=[callback, Boom()])
+    callback.close()
+    assert keras.distribution.distribution() is None

@@ -1,0 +1,168 @@
+"""The TensorFlow executor's contract: devices, refusal, apply and release."""
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow executor tests run in the tensorflow tox env",
+)
+
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+    import tf_devices
+
+    tf_devices.setup()
+
+import keras_parallel  # noqa: E402
+
+
+class Net(keras_parallel.DistributedModel, keras.Model):
+    pass
+
+
+def _model(cls=Net):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="tanh", name="d1")(inputs)
+    outputs = keras.layers.Dense(3, name="d2")(x)
+    return cls(inputs=inputs, outputs=outputs)
+
+
+def _compile(model, distribution=None):
+    kwargs = {} if distribution is None else {"distribution": distribution}
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss="mse",
+        metrics=["mae"],
+        **kwargs,
+    )
+
+
+def _data(n=40):
+    rng = np.random.default_rng(0)
+    return (
+        rng.normal(size=(n, 6)).astype("float32"),
+        rng.normal(size=(n, 3)).astype("float32"),
+    )
+
+
+def _replica_devices(variable):
+    value = variable._value
+    if not isinstance(value, tf.distribute.DistributedValues):
+        return None
+    return sorted(v.device.split("device:")[-1].lower() for v in value.values)
+
+
+def test_data_parallel_spans_all_logical_cpus():
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("with GPUs, DataParallel() spans the GPUs")
+    distribution = keras_parallel.DataParallel()
+    assert list(distribution.device_mesh.devices) == tf_devices.devices(4)
+    executor_cls = keras_parallel.executors.executor_class()
+    assert executor_cls.list_devices() == tf_devices.devices(4)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("cpu:1", "cpu:1"),
+        ("CPU:1", "cpu:1"),
+        ("/device:CPU:1", "cpu:1"),
+        ("/job:localhost/replica:0/task:0/device:GPU:3", "gpu:3"),
+    ],
+)
+def test_device_names_normalize(name, expected):
+    from keras_parallel.executors.tensorflow import TensorFlowExecutor
+
+    executor = TensorFlowExecutor(keras_parallel.DataParallel(devices=tf_devices.devices(2)))
+    assert executor.device_names([name]) == [expected]
+
+
+def test_model_parallel_is_refused_naming_the_backends_that_have_it():
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], tf_devices.devices(4))
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    model = _model()
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(NotImplementedError, match="JAX and torch") as info:
+        _compile(model, distribution)
+    assert "Received: distribution=ModelParallel" in str(info.value)
+    with pytest.raises(NotImplementedError, match="JAX and torch"):
+        keras_parallel.ShardingCallback(distribution)
+    # Nothing was applied: the model still trains on one device.
+    assert model.distribution is None
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4])
+def test_variables_are_mirrored_over_the_mesh(num_devices):
+    x, y = _data()
+    model = _model()
+    _compile(model, keras_parallel.DataParallel(devices=tf_devices.devices(num_devices)))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    expected = tf_devices.devices(num_devices)
+    variables = (
+        model.variables + model.optimizer.variables + model.metrics_variables
+    )
+    assert len(variables) > 10
+    for variable in variables:
+        assert _replica_devices(variable) == expected, variable.path
+    kernel = model.get_layer("d1").kernel._value
+    replicas = [v.numpy() for v in kernel.values]
+    for replica in replicas[1:]:
+        np.testing.assert_array_equal(replica, replicas[0])
+
+
+def test_release_returns_the_model_to_one_device():
+    x, y = _data()
+    model = _model()
+    _compile(model, keras_parallel.DataParallel(devices=tf_devices.devices(2)))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    weights = model.get_weights()
+    _compile(model)  # compile(distribution=None): back to one device
+    assert model.distribution is None
+    for variable in model.variables + model.optimizer.variables:
+        assert _replica_devices(variable) is None, variable.path
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model._distribute_strategy is None
+
+
+def test_metric_state_survives_the_move():
+    from keras_parallel.executors import tf_exact
+    from keras_parallel.executors import tf_variables
+
+    x, y = _data()
+    model = _model()
+    _compile(model)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    before = {k: float(v) for k, v in model.get_metrics_result().items()}
+    weights = model.get_weights()
+    strategy = tf_exact.strategy_for(["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"])
+    moved = tf_variables.move_variables(model, strategy)
+    assert moved == len(tf_variables.all_variables(model))
+    # An on-read SUM state (a metric's total) is split so that its sum over
+    # the replicas is the old value, not three times it.
+    with strategy.scope():
+        after = {k: float(v) for k, v in model.get_metrics_result().items()}
+    assert after == pytest.approx(before, rel=1e-6)
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    tf_variables.move_variables(model, None)
+    assert float(model.get_metrics_result()["mae"]) == pytest.approx(before["mae"], rel=1e-6)
+
+
+def test_demo_main_splits_the_cpu_then_runs():
+    from keras_parallel.executors.tensorflow import TensorFlowExecutor
+
+    # The runtime already runs with 4 devices: asking for 4 or fewer is a
+    # no-op, asking for more is a clear error.
+    assert TensorFlowExecutor.demo_main(lambda: 0.5, 4) == 0.5
+    if not tf.config.list_physical_devices("GPU"):
+        with pytest.raises(RuntimeError, match="runtime already started"):
+            TensorFlowExecutor.demo_main(lambda: 0.5, 16)

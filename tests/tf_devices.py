@@ -1,0 +1,28 @@
+"""Logical CPU devices for the TensorFlow tests.
+
+TensorFlow fixes its devices when its runtime starts, once per process, so
+the CPU is split here, before any test runs TensorFlow: every TensorFlow test
+module calls `setup()` when it is imported (pytest imports all modules before
+running the first test). Four devices serve every test: a test that wants two
+builds its `DataParallel` over `devices(2)`.
+
+Only TensorFlow test modules import this file, after checking the backend.
+"""
+
+from keras_parallel.executors.tf_devices import split_cpu
+
+NUM_DEVICES = 4
+
+
+def setup(num_devices=NUM_DEVICES):
+    """Splits the CPU into `num_devices` logical devices (idempotent).
+
+    Returns:
+        The logical CPU device names.
+    """
+    return split_cpu(num_devices)
+
+
+def devices(n):
+    """The first `n` logical CPU device names, `["cpu:0", ...]`."""
+    return [f"cpu:{i}" for i in range(n)]
