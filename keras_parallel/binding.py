@@ -14,8 +14,7 @@ from keras.src.distribution.distribution_lib import Distribution
 from keras_parallel import report
 from keras_parallel.errors import ShardingError
 from keras_parallel.executors import executor_class
-from keras_parallel.plan import resolve_plan
-from keras_parallel.plan import variables_signature
+from keras_parallel.plan import resolve_plan, variables_signature
 
 
 def check_distribution(distribution, argument="distribution"):

@@ -1,6 +1,5 @@
 """`DistributedModel`: `compile(..., distribution=...)` for any Keras model."""
 
-import keras
 from keras.src.utils import io_utils
 
 from keras_parallel.binding import Binding

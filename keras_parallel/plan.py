@@ -17,8 +17,7 @@ import warnings
 
 import numpy as np
 
-from keras_parallel.errors import ShardingError
-from keras_parallel.errors import UnmatchedLayoutKeyWarning
+from keras_parallel.errors import ShardingError, UnmatchedLayoutKeyWarning
 
 OUTPUT_SUFFIX = "/output"
 

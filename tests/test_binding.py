@@ -7,14 +7,11 @@ model is left on one device with its weights unchanged, still trainable.
 import keras
 import numpy as np
 import pytest
-
-from builders import dense_model
-from builders import regression_data
-from builders import weights_of
-from keras_parallel.binding import Binding
-from keras_parallel.errors import ShardingError
+from builders import dense_model, regression_data, weights_of
 
 import keras_parallel
+from keras_parallel.binding import Binding
+from keras_parallel.errors import ShardingError
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):

@@ -3,11 +3,7 @@
 import keras
 import numpy as np
 import pytest
-
-from builders import dense_model
-from builders import max_relative_difference
-from builders import regression_data
-from builders import weights_of
+from builders import dense_model, max_relative_difference, regression_data, weights_of
 
 import keras_parallel
 

@@ -8,11 +8,9 @@ training to float32 rounding, while the variables really span the devices.
 import keras
 import numpy as np
 import pytest
+from builders import dense_model, max_relative_difference, regression_data, weights_of
 
-from builders import dense_model
-from builders import max_relative_difference
-from builders import regression_data
-from builders import weights_of
+import keras_parallel
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax",
@@ -22,8 +20,6 @@ pytestmark = pytest.mark.skipif(
 if keras.backend.backend() == "jax":
     import jax
     from jax.sharding import PartitionSpec as P
-
-import keras_parallel
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):

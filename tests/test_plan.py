@@ -7,10 +7,9 @@ backend array is made.
 import keras
 import numpy as np
 import pytest
-
 from builders import dense_model
-from keras_parallel.errors import ShardingError
-from keras_parallel.errors import UnmatchedLayoutKeyWarning
+
+from keras_parallel.errors import ShardingError, UnmatchedLayoutKeyWarning
 from keras_parallel.plan import resolve_plan
 
 DEVICES = [f"cpu:{i}" for i in range(8)]

@@ -2,12 +2,11 @@
 
 import keras
 import pytest
-
 from builders import dense_model
-from keras_parallel.plan import resolve_plan
-from keras_parallel.report import format_plan
 
 import keras_parallel
+from keras_parallel.plan import resolve_plan
+from keras_parallel.report import format_plan
 
 DEVICES = [f"cpu:{i}" for i in range(8)]
 

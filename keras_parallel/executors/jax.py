@@ -18,9 +18,9 @@ import contextlib
 
 import jax
 import keras
+from keras.distribution import TensorLayout
 from keras.src.backend.jax import distribution_lib as keras_jax_distribution_lib
 from keras.src.distribution.distribution_lib import Distribution
-from keras.distribution import TensorLayout
 
 from keras_parallel.executors.base import Executor
 from keras_parallel.plan import iter_planned_variables
