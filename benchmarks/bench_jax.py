@@ -87,6 +87,10 @@ class GuideLoop:
             jax.device_put([v.value for v in optimizer.variables], replicated),
         )
         self.train_step = train_step
+        # On simulated CPU devices, overlapping steps can deadlock XLA:CPU's
+        # collectives (keras_parallel waits for each step there too, see
+        # executors/jax.py), so the loop waits as well: same work, no hang.
+        self.one_step_at_a_time = jax.devices()[0].platform == "cpu"
 
     def epochs(self, n):
         for _ in range(n):
@@ -94,6 +98,8 @@ class GuideLoop:
                 xb = jax.device_put(self.x[start : start + self.batch_size], self.data_sharding)
                 yb = self.y[start : start + self.batch_size]
                 loss_value, self.state = self.train_step(self.state, xb, yb)
+                if self.one_step_at_a_time:
+                    jax.block_until_ready(loss_value)
         jax.block_until_ready(loss_value)
 
 
@@ -139,6 +145,7 @@ def speed(batch_size, rounds, epochs):
 
 
 def memory():
+    keras.backend.clear_session()  # canonical layer names for the keys below
     mesh = keras.distribution.DeviceMesh((1, 8), ["data", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["conv2d_1/kernel"] = (None, None, None, "model")

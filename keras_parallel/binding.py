@@ -93,6 +93,17 @@ class Binding:
         self.version += 1
         return True
 
+    def wrap_steps(self, model):
+        """Lets the executor wrap the step functions Keras made, once each."""
+        for name in ("train_function", "test_function", "predict_function"):
+            function = getattr(model, name, None)
+            if function is None or getattr(function, "_kp_wrapped", False):
+                continue
+            wrapped = self.executor.wrap_step(function)
+            if wrapped is not function:
+                wrapped._kp_wrapped = True
+                setattr(model, name, wrapped)
+
     def announce(self, model, print_fn=print):
         """Prints the plan once (on the chief process), at the first `fit`."""
         if self._announced or self.plan is None or not self.executor.is_chief:

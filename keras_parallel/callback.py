@@ -70,6 +70,9 @@ class ShardingCallback(keras.callbacks.Callback):
     def _begin(self, phase):
         if self._phase is None:
             self._phase = phase
+        # Keras has made its step function by now (make_*_function runs
+        # just before on_*_begin).
+        self.binding.wrap_steps(self.model)
 
     def _end(self, phase):
         if self._phase == phase:

@@ -91,7 +91,13 @@ class DistributedModel:
             if made.get(kind) != binding.version:
                 force = True
                 made[kind] = binding.version
-        return make(force=force)
+        result = make(force=force)
+        if binding is not None:
+            binding.wrap_steps(self)
+            if kind == "predict":
+                # Keras's JAX trainer returns the function it made.
+                result = self.predict_function
+        return result
 
     def make_train_function(self, force=False):
         return self._kp_make("train", super().make_train_function, force)

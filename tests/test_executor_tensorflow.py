@@ -134,8 +134,7 @@ def test_release_returns_the_model_to_one_device():
 
 
 def test_metric_state_survives_the_move():
-    from keras_parallel.executors import tf_exact
-    from keras_parallel.executors import tf_variables
+    from keras_parallel.executors import tf_exact, tf_variables
 
     x, y = _data()
     model = _model()

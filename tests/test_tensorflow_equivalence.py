@@ -73,10 +73,22 @@ def _distribution(num_devices):
     return keras_parallel.DataParallel(devices=tf_devices.devices(num_devices))
 
 
+def _assert_history(history, expected):
+    assert set(history) == set(expected)
+    for key in expected:
+        assert history[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+
+
 def _rel_diff(model, reference):
+    """The largest `|a - b| / |b|` over the variables (L2 norms).
+
+    A variable whose gradient is zero in exact arithmetic (the bias before a
+    BatchNormalization) holds float noise of about 1e-9: its norm is floored
+    at 1e-3, which compares it absolutely.
+    """
     worst = 0.0
     for a, b in zip(model.get_weights(), reference.get_weights()):
-        scale = max(np.linalg.norm(b), 1e-12)
+        scale = max(np.linalg.norm(b), 1e-3)
         worst = max(worst, float(np.linalg.norm(a - b) / scale))
     return worst
 
@@ -118,7 +130,7 @@ def test_ten_steps_equal_one_device(num_devices):
     reference, model, histories, _ = _pair(640, num_devices)
     assert model.optimizer.iterations.numpy() == 10
     assert _rel_diff(model, reference) < 1e-4
-    assert histories[1] == pytest.approx(histories[0], rel=1e-5)
+    _assert_history(histories[1], histories[0])
 
 
 @pytest.mark.parametrize("num_devices", [2, 4])
@@ -191,7 +203,7 @@ def test_model_built_and_trained_before_the_distribution():
     assert optimizer.iterations.numpy() == 32
     assert isinstance(model.get_layer("d1").kernel._value, tf.distribute.DistributedValues)
     assert _rel_diff(model, reference) < 1e-4
-    assert history.history == pytest.approx(expected.history, rel=1e-5)
+    _assert_history(history.history, expected.history)
 
 
 def test_unbuilt_subclassed_model_is_built_mirrored():
@@ -221,7 +233,7 @@ def test_sharding_callback_on_a_plain_model():
     expected = reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert isinstance(model.get_layer("d1").kernel._value, tf.distribute.DistributedValues)
     assert _rel_diff(model, reference) < 1e-4
-    assert history.history == pytest.approx(expected.history, rel=1e-5)
+    _assert_history(history.history, expected.history)
 
 
 def test_on_batch_entry_points():

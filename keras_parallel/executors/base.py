@@ -116,6 +116,20 @@ class Executor(abc.ABC):
     def release(self, model):
         """Undoes `apply`: the model runs on one device again."""
 
+    def wrap_step(self, function):
+        """Wraps a step function Keras made (`model.train_function`, ...).
+
+        Called once per function, after Keras makes it and before it runs.
+        The default returns `function` unchanged.
+
+        Args:
+            function: the function Keras's trainer calls once per step.
+
+        Returns:
+            The function to call instead.
+        """
+        return function
+
     # ------------------------------------------------------- collectives
     @property
     def num_processes(self):

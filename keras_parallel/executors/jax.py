@@ -128,6 +128,23 @@ class JaxExecutor(Executor):
             )
             keras.distribution.set_distribution(previous)
 
+    def wrap_step(self, function):
+        names = self.device_names(self.distribution.device_mesh.devices.flatten())
+        if len(names) < 2 or not all(name.startswith("cpu") for name in names):
+            return function
+
+        # XLA:CPU runs each simulated device on a thread and meets them at
+        # every collective. When Keras dispatches the next step before the
+        # last one finished, the steps' collectives can wait on each other
+        # forever (seen here: "Expected 8 threads to join the rendezvous",
+        # then an abort after 40 s, in Keras's fit and the guide's own loop
+        # alike). Waiting for each step costs nothing measurable on a CPU,
+        # which computes synchronously anyway; accelerators are untouched.
+        def one_step_at_a_time(*args, **kwargs):
+            return jax.block_until_ready(function(*args, **kwargs))
+
+        return one_step_at_a_time
+
     def release(self, model):
         device = jax.devices()[0]
         for variable in model.variables + _optimizer_and_metric_variables(model):

@@ -28,9 +28,7 @@ import tensorflow as tf
 from keras.distribution import DataParallel
 
 from keras_parallel.errors import ShardingError
-from keras_parallel.executors import tf_devices
-from keras_parallel.executors import tf_exact
-from keras_parallel.executors import tf_variables
+from keras_parallel.executors import tf_devices, tf_exact, tf_variables
 from keras_parallel.executors.base import Executor
 
 

@@ -19,6 +19,13 @@ This module makes the weighting exact while Keras's trainer runs unchanged:
   that, so the loss metric sees each replica's true mean with weight `n`;
 - `global_logs` makes each step's logs the metrics read across replicas
   (the global numbers) rather than the mean of per-replica results;
+- `_maybe_symbolic_build` builds the model from a first batch that splits
+  unevenly (Keras's own averages the replicas' batches, which must then have
+  one shape);
+- `late_distribution` distributes a data set that Keras did not, and
+  builds the optimizer and metrics under the strategy (the first `fit`
+  through `ShardingCallback`), and `ExactMirroredStrategy.run` splits
+  a batch given whole (`train_on_batch`);
 - `synchronized_batchnorm` computes BatchNormalization's batch statistics over
   the global batch (Keras's `synchronized=True`), as one device would.
 
@@ -72,6 +79,8 @@ class ExactMirroredStrategy(tf.distribute.MirroredStrategy):
 
     def run(self, fn, args=(), kwargs=None, options=None):
         kwargs = kwargs or {}
+        if _needs_split((args, kwargs)):
+            args, kwargs = self._split_batch((args, kwargs))
 
         def replica_fn(*replica_args, **replica_kwargs):
             local = _batch_size(replica_args, replica_kwargs)
@@ -90,6 +99,33 @@ class ExactMirroredStrategy(tf.distribute.MirroredStrategy):
 
         return super().run(replica_fn, args=args, kwargs=kwargs, options=options)
 
+    def _split_batch(self, structure):
+        """Splits a global batch that was not distributed over the replicas.
+
+        Keras distributes its data set when the model's strategy is known
+        before `fit` makes its iterator. Through `ShardingCallback` the
+        strategy arrives later (at `set_model`), so the first `fit` feeds
+        whole global batches; they are split here, in contiguous slices in
+        replica order (as `tf.distribute` splits a batch), rather than
+        computed in full on every replica.
+        """
+        num = self.num_replicas_in_sync
+
+        def value_fn(context):
+            index = context.replica_id_in_sync_group
+
+            def piece(value):
+                if not _is_batched(value):
+                    return value
+                size = tf.shape(value)[0]
+                start = (size * index) // num
+                stop = (size * (index + 1)) // num
+                return value[start:stop]
+
+            return tree.map_structure(piece, structure)
+
+        return self.experimental_distribute_values_from_function(value_fn)
+
 
 _strategies = {}
 
@@ -107,6 +143,19 @@ def strategy_for(devices):
     if key not in _strategies:
         _strategies[key] = ExactMirroredStrategy(list(key))
     return _strategies[key]
+
+
+def _is_batched(value):
+    return isinstance(value, tf.Tensor) and bool(value.shape.rank)
+
+
+def _needs_split(structure):
+    flat = tree.flatten(structure)
+    if any(isinstance(v, tf.distribute.DistributedValues) for v in flat):
+        return False
+    return tf.distribute.in_cross_replica_context() and any(
+        _is_batched(v) for v in flat
+    )
 
 
 def _batch_size(args, kwargs):
@@ -176,6 +225,67 @@ def global_logs(model):
     return reduce_per_replica
 
 
+_keras_maybe_symbolic_build = keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+
+
+def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """Keras's `_maybe_symbolic_build`, for a first batch that splits unevenly.
+
+    Keras builds the model from the element-wise mean of the replicas' first
+    batches, which fails when they differ in size (a data set of 43 samples
+    over 4 replicas: 11/11/11/10). Only the shapes and dtypes matter for the
+    build, so the first replica's batch serves: the same shapes Keras's mean
+    gives when the split is even.
+    """
+    strategy = self._distribute_strategy
+    if iterator is None or not isinstance(strategy, ExactMirroredStrategy):
+        return _keras_maybe_symbolic_build(self, iterator, data_batch)
+    for _, _, it in iterator:
+        _build_from_first_batch(self, strategy, it)
+        break
+
+
+_keras_get_iterator = keras_tf_trainer.TFEpochIterator._get_iterator
+
+
+def late_distribution(model):
+    """Keras's `TFEpochIterator._get_iterator`, distributing late if need be.
+
+    Keras distributes the data set, and builds the optimizer and metrics
+    under the strategy, when `fit` starts, with the model's strategy at that
+    moment. A `ShardingCallback` applies the strategy just after (at
+    `set_model`), so on the first run both are done here, when the epoch
+    starts and before any step is traced: the batches are split, and no
+    variable is created inside a traced replica step.
+    """
+
+    def _get_iterator(self):
+        dataset = self._distributed_dataset
+        strategy = tf.distribute.get_strategy()
+        if isinstance(strategy, ExactMirroredStrategy) and not isinstance(
+            dataset, tf.distribute.DistributedDataset
+        ):
+            dataset = strategy.experimental_distribute_dataset(dataset)
+            self._distributed_dataset = dataset
+            _build_from_first_batch(model, strategy, iter(dataset))
+        return dataset
+
+    return _get_iterator
+
+
+def _build_from_first_batch(model, strategy, iterator):
+    batch = tree.map_structure(
+        lambda v: (
+            strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues)
+            else v
+        ),
+        next(iterator),
+    )
+    with strategy.scope():
+        model._symbolic_build(data_batch=batch)
+
+
 @contextlib.contextmanager
 def synchronized_batchnorm(model):
     """BatchNormalization over the global batch while the scope is entered.
@@ -210,10 +320,15 @@ def patched(model):
     keras_loss.scale_loss_for_distribution = scale_loss
     keras_loss.unscale_loss_for_distribution = unscale_loss
     keras_tf_trainer.reduce_per_replica = global_logs(model)
+    trainer_class = keras_tf_trainer.TensorFlowTrainer
+    trainer_class._maybe_symbolic_build = _maybe_symbolic_build
+    keras_tf_trainer.TFEpochIterator._get_iterator = late_distribution(model)
     try:
         with synchronized_batchnorm(model):
             yield
     finally:
+        keras_tf_trainer.TFEpochIterator._get_iterator = _keras_get_iterator
+        trainer_class._maybe_symbolic_build = _keras_maybe_symbolic_build
         keras_tf_trainer.reduce_per_replica = _keras_reduce_per_replica
         keras_loss.unscale_loss_for_distribution = _keras_unscale
         keras_loss.scale_loss_for_distribution = _keras_scale
