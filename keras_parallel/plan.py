@@ -10,16 +10,12 @@ hands in the device names, and the plan only reads paths, shapes and dtypes.
 """
 
 import dataclasses
-import difflib
 import math
-import re
-import warnings
 
 import numpy as np
 
-from keras_parallel.errors import ShardingError, UnmatchedLayoutKeyWarning
-
-OUTPUT_SUFFIX = "/output"
+from keras_parallel import layout_keys
+from keras_parallel.errors import ShardingError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +118,7 @@ class ShardingPlan:
             if output.path == path:
                 return output.axes
         for key, axes in self.output_keys:
-            if _matches_path_or_suffix(key, path):
+            if layout_keys.matches_path_or_suffix(key, path):
                 return axes
         return None
 
@@ -178,7 +174,7 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         for key in layout_map:
             axes = tuple(layout_map[key].axes)
             _check_axes_in_mesh(f"LayoutMap key {key!r}", axes, axis_names)
-            if key.endswith(OUTPUT_SUFFIX):
+            if key.endswith(layout_keys.OUTPUT_SUFFIX):
                 output_keys.append((key, axes))
             else:
                 variable_keys.append((key, axes))
@@ -187,7 +183,7 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
     used_keys = set()
     chosen = {}
     for variable in model_vars:
-        axes, key = _model_variable_axes(
+        axes, key = layout_keys.variable_axes(
             distribution, variable, variable_keys, layout_map
         )
         if key in dict(variable_keys):
@@ -196,7 +192,7 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         entries.append(_entry(variable, "model", axes, key, sizes))
     references = {v.path.replace("/", "_"): v for v in model_vars if v.trainable}
     for variable in optimizer_vars:
-        reference = _reference_of(variable, references)
+        reference = layout_keys.reference_of(variable, references)
         if reference is None:
             axes, key = (None,) * len(variable.shape), "(replicated)"
         else:
@@ -206,10 +202,13 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         axes = (None,) * len(variable.shape)
         entries.append(_entry(variable, "metric", axes, "(replicated)", sizes))
 
-    outputs = _resolve_outputs(model, output_keys)
+    outputs = [
+        OutputLayout(key=key, path=path, axes=axes)
+        for key, path, axes in layout_keys.resolve_outputs(model, output_keys)
+    ]
     used_keys.update(o.key for o in outputs)
     if layout_map is not None:
-        _warn_unmatched(layout_map, used_keys, model_vars, model)
+        layout_keys.warn_unmatched(layout_map, used_keys, model_vars, model)
     return ShardingPlan(
         mesh_shape=mesh_shape,
         axis_names=axis_names,
@@ -273,54 +272,13 @@ def _variables_by_kind(model):
                 out.append(v)
         return out
 
-    model_vars = fresh(list(model.trainable_variables) + list(model.non_trainable_variables))
+    model_vars = fresh(
+        list(model.trainable_variables) + list(model.non_trainable_variables)
+    )
     optimizer = getattr(model, "optimizer", None)
     optimizer_vars = fresh(optimizer.variables if optimizer is not None else [])
     metric_vars = fresh(getattr(model, "metrics_variables", []))
     return model_vars, optimizer_vars, metric_vars
-
-
-def _model_variable_axes(distribution, variable, variable_keys, layout_map):
-    """Returns `(axes, key)` for one model variable."""
-    rank = len(variable.shape)
-    if layout_map is None:
-        if _is_data_parallel(distribution):
-            return (None,) * rank, "(replicated)"
-        # A custom Distribution: ask it, as Keras would.
-        layout = distribution.get_variable_layout(variable)
-        axes = tuple(layout.axes) if layout is not None else (None,) * rank
-        return axes, "(from distribution)"
-    keys = dict(variable_keys)
-    if variable.path in keys:  # An exact key wins, as in Keras's LayoutMap.
-        return _checked(variable, keys[variable.path], variable.path), variable.path
-    matching = [k for k, _ in variable_keys if re.fullmatch(k, variable.path)]
-    if len(matching) > 1:
-        raise ShardingError(
-            f"Variable {variable.path!r} is matched by {len(matching)} "
-            f"LayoutMap keys: {matching}. Each variable must resolve to one "
-            "layout; make the keys exclusive (anchor or narrow the regexes)."
-        )
-    if matching:
-        return _checked(variable, keys[matching[0]], matching[0]), matching[0]
-    return (None,) * rank, "(replicated)"
-
-
-def _is_data_parallel(distribution):
-    from keras.distribution import DataParallel
-
-    return isinstance(distribution, DataParallel)
-
-
-def _checked(variable, axes, key):
-    shape = tuple(variable.shape)
-    if len(axes) != len(shape):
-        raise ShardingError(
-            f"The layout of LayoutMap key {key!r} has rank {len(axes)}, but "
-            f"variable {variable.path!r} has rank {len(shape)}. Received: "
-            f"axes={axes}, shape={shape}; give one axis (or None) per "
-            "dimension."
-        )
-    return tuple(axes)
 
 
 def _entry(variable, kind, axes, key, sizes):
@@ -358,80 +316,6 @@ def _numpy_dtype(dtype):
     if dtype.startswith("float8"):
         return "int8"
     return dtype
-
-
-def _reference_of(variable, references):
-    """The model variable an optimizer slot was made from, or `None`.
-
-    Keras names a slot `<reference path with / as _>_<slot name>` and gives it
-    the reference's shape (`Optimizer.add_variable_from_reference`).
-    """
-    best = None
-    for prefix, reference in references.items():
-        if variable.name.startswith(prefix + "_") and tuple(
-            variable.shape
-        ) == tuple(reference.shape):
-            if best is None or len(prefix) > len(best[0]):
-                best = (prefix, reference)
-    return best[1] if best else None
-
-
-def _output_paths(model):
-    """Every layer output path of the model, as Keras names it at call time."""
-    paths = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        path = getattr(layer, "path", None) or layer.name
-        paths.append(path + OUTPUT_SUFFIX)
-    return list(dict.fromkeys(paths))
-
-
-def _matches_path_or_suffix(key, path):
-    if re.fullmatch(key, path):
-        return True
-    parts = path.split("/")
-    return any(re.fullmatch(key, "/".join(parts[i:])) for i in range(1, len(parts)))
-
-
-def _resolve_outputs(model, output_keys):
-    paths = _output_paths(model)
-    outputs = []
-    owner = {}
-    for key, axes in output_keys:
-        matched = [p for p in paths if re.fullmatch(key, p)]
-        if not matched:
-            matched = [p for p in paths if _matches_path_or_suffix(key, p)]
-            if len(matched) > 1:
-                raise ShardingError(
-                    f"Output key {key!r} matches {len(matched)} layers by path "
-                    f"suffix: {matched}. Name one layer: use a longer suffix "
-                    f"or the full path, e.g. {matched[0]!r}."
-                )
-        for path in matched:
-            if path in owner:
-                raise ShardingError(
-                    f"Layer output {path!r} is matched by two LayoutMap keys: "
-                    f"{[owner[path], key]}. Each output must resolve to one "
-                    "layout; keep one of the keys."
-                )
-            owner[path] = key
-            outputs.append(OutputLayout(key=key, path=path, axes=axes))
-    return outputs
-
-
-def _warn_unmatched(layout_map, used_keys, model_vars, model):
-    candidates = [v.path for v in model_vars] + _output_paths(model)
-    for key in layout_map:
-        if key in used_keys:
-            continue
-        close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.3)
-        warnings.warn(
-            f"LayoutMap key {key!r} matches no variable and no layer output "
-            f"of model {model.name!r}, so it has no effect. Closest paths: "
-            f"{close or candidates[:3]}. Print `keras_parallel.describe(model)`"
-            " or `[v.path for v in model.variables]` for every path.",
-            UnmatchedLayoutKeyWarning,
-            stacklevel=4,
-        )
 
 
 def iter_planned_variables(model, plan):
