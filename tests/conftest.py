@@ -5,7 +5,7 @@ devices must exist before the backend starts, so they are set up here,
 before any test module imports Keras:
 
 - JAX: 8 CPU devices via `XLA_FLAGS`.
-- TensorFlow: see `tests/tf_devices.py` (logical CPU devices).
+- TensorFlow: logical CPU devices, see `tests/tf_devices.py`.
 """
 
 import os
@@ -15,3 +15,9 @@ if "device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+
+if os.environ["KERAS_BACKEND"] == "tensorflow":
+    # Logical CPU devices must exist before TensorFlow starts its runtime.
+    import tf_devices
+
+    tf_devices.setup()
