@@ -6,6 +6,7 @@ Public API:
 - `ShardingCallback`: the same for a model you cannot subclass.
 - `DataParallel`: `keras.distribution.DataParallel` over all local devices.
 - `describe`: the sharding plan as a text table.
+- `launch`: run a function in N processes (torch), rank-ordered results.
 - `ShardingError`: the error bad layouts raise (a `ValueError`).
 
 The names are imported on first use, so `import keras_parallel` (and the
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DataParallel": "keras_parallel.distribution",
     "DistributedModel": "keras_parallel.model",
+    "launch": "keras_parallel.launcher",
     "ShardingCallback": "keras_parallel.callback",
     "ShardingError": "keras_parallel.errors",
     "UnmatchedLayoutKeyWarning": "keras_parallel.errors",

@@ -2,10 +2,15 @@
 
 `keras-parallel demo [--backend B]` trains the Keras guide's convnet on the
 digits data across all local devices (8 simulated CPU devices when there is
-no accelerator) and prints the layout table and the accuracy.
+no accelerator; on torch, that many gloo processes) and prints the layout
+table and the accuracy.
+
+`keras-parallel launch --nproc N train.py [args]` runs a training script in
+N processes through `torch.distributed.run` (torchrun).
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -15,6 +20,11 @@ SIMULATED_DEVICES = 8
 
 def _demo(args):
     os.environ["KERAS_BACKEND"] = args.backend
+    if args.backend == "tensorflow":
+        # oneDNN's Conv2D mis-shapes the empty per-device batch that a last
+        # batch smaller than the device count leaves (449 % 32 = 1 here);
+        # TensorFlow reads this only when it is imported.
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     if args.backend == "jax" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Simulated CPU devices; with a GPU or TPU, JAX uses those instead.
         os.environ["XLA_FLAGS"] = (
@@ -24,10 +34,9 @@ def _demo(args):
     from keras_parallel import demo
     from keras_parallel.executors import executor_class
 
-    def run():
-        accuracy = demo.run(epochs=args.epochs, batch_size=args.batch_size)
-        return accuracy
-
+    # A partial of a module-level function: picklable, so a backend may run
+    # it in processes it starts (torch: one per device).
+    run = functools.partial(demo.run, epochs=args.epochs, batch_size=args.batch_size)
     accuracy = executor_class(args.backend).demo_main(run, args.devices)
     print(f"Test accuracy: {accuracy:.4f}")
     return 0
@@ -43,6 +52,12 @@ def main(argv=None):
     Returns:
         The exit status.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":
+        # Everything after `launch` is torchrun's: argparse must not touch it.
+        from keras_parallel import launcher
+
+        return launcher.main(argv[1:])
     parser = argparse.ArgumentParser(prog="keras-parallel", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -63,6 +78,12 @@ def main(argv=None):
         help="simulated CPU devices (or processes) when there is no accelerator",
     )
     demo.set_defaults(func=_demo)
+    commands.add_parser(
+        "launch",
+        help="run a script in N processes: keras-parallel launch --nproc N "
+        "train.py [args] (torchrun options pass through)",
+        add_help=False,
+    )
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -18,6 +18,11 @@ class DataParallel(keras.distribution.DataParallel):
         device_mesh: optional 1D `keras.distribution.DeviceMesh`.
         devices: optional list of devices.
         auto_shard_dataset: shard a `tf.data.Dataset` among processes.
+        sync_batchnorm: torch: BatchNormalization uses the statistics of the
+            whole global batch, as on JAX and TensorFlow (where it always
+            does). Costs one all-reduce per BatchNorm layer and step.
+        find_unused_parameters: torch: passed to `DistributedDataParallel`,
+            for models whose forward pass skips some weights.
 
     Example:
 
@@ -25,7 +30,14 @@ class DataParallel(keras.distribution.DataParallel):
     ...               distribution=keras_parallel.DataParallel())
     """
 
-    def __init__(self, device_mesh=None, devices=None, auto_shard_dataset=True):
+    def __init__(
+        self,
+        device_mesh=None,
+        devices=None,
+        auto_shard_dataset=True,
+        sync_batchnorm=False,
+        find_unused_parameters=False,
+    ):
         if device_mesh is None and not devices:
             devices = executor_class().list_devices()
         super().__init__(
@@ -33,3 +45,5 @@ class DataParallel(keras.distribution.DataParallel):
             devices=devices,
             auto_shard_dataset=auto_shard_dataset,
         )
+        self.sync_batchnorm = sync_batchnorm
+        self.find_unused_parameters = find_unused_parameters

@@ -12,6 +12,7 @@ PUBLIC = [
     "ShardingError",
     "UnmatchedLayoutKeyWarning",
     "describe",
+    "launch",
 ]
 
 

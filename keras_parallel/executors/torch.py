@@ -33,10 +33,8 @@ from keras.src.utils import io_utils
 from keras_parallel import torch_group
 from keras_parallel.errors import ShardingError
 from keras_parallel.executors.base import Executor
-from keras_parallel.torch_chief import ChiefOnlyCallbacks
-from keras_parallel.torch_chief import chief_only_saving
-from keras_parallel.torch_steps import DDPModule
-from keras_parallel.torch_steps import RankSteps
+from keras_parallel.torch_chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.torch_steps import DDPModule, RankSteps
 from keras_parallel.torch_sync_bn import SyncBatchNorm
 
 _SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
@@ -93,7 +91,7 @@ class TorchExecutor(Executor):
         """
         if torch_group.env_world_size() > 1 or torch_group.is_distributed():
             return run()
-        from keras_parallel.launch import launch
+        from keras_parallel.launcher import launch
 
         if torch.cuda.is_available():
             num_devices = torch.cuda.device_count()
@@ -125,7 +123,8 @@ class TorchExecutor(Executor):
             )
 
     def apply(self, model, plan):
-        self._close_ddp()
+        if model is not self._model:
+            self._close_ddp()
         self._model = model
         if self.num_processes == 1:
             if not self._announced_single:
@@ -144,8 +143,16 @@ class TorchExecutor(Executor):
                 stacklevel=2,
             )
         else:
+            self._ddp = None  # Drop the old wrapper before making the new.
             self._ddp = self._make_ddp(model)
-        self._steps = RankSteps(model, self._ddp, self.num_processes, self.process_index)
+        if self._steps is None:
+            self._steps = RankSteps(
+                model, self._ddp, self.num_processes, self.process_index
+            )
+        else:
+            # Planned again (fit built the optimizer) while an entry point
+            # runs: the installed steps stay, with the new wrapper.
+            self._steps.ddp = self._ddp
         if not self.is_chief and self._undo_saving is None:
             self._undo_saving = chief_only_saving(model)
         torch_group.on_teardown(self)
@@ -158,7 +165,6 @@ class TorchExecutor(Executor):
         return torch.nn.parallel.DistributedDataParallel(
             module,
             device_ids=device_ids,
-            broadcast_buffers=False,
             find_unused_parameters=bool(
                 getattr(self.distribution, "find_unused_parameters", False)
             ),

@@ -16,7 +16,6 @@ agent does, so the store outlives every rank and a failing rank (even rank
 
 import os
 import pickle
-import queue as queue_module
 import socket
 import sys
 import time
@@ -107,8 +106,9 @@ def launch(
 
     Raises:
         Exception: the exception of the first rank that failed, re-raised
-            with its traceback (as `__cause__`) and a `rank` attribute; other
-            ranks are ended. `ProcessFailedError` if it cannot be re-raised
+            with its traceback (as `__cause__`), a `rank` attribute and
+            `rank_errors` (`{rank: "Type: message"}` of every failed rank);
+            other ranks are ended. `ProcessFailedError` if it cannot be re-raised
             as itself (unpicklable, or the process died without a word).
         TimeoutError: `timeout` passed.
 
@@ -121,7 +121,7 @@ def launch(
         model.fit(x, y, batch_size=64, epochs=epochs)
         return model.evaluate(x_test, y_test)
 
-    results = keras_parallel.launch.launch(train, num_processes=2, args=(3,))
+    results = keras_parallel.launch(train, num_processes=2, args=(3,))
     ```
     """
     import multiprocessing
@@ -193,8 +193,7 @@ def _child(fn, args, rank, env, threads, results):
 
 
 def _describe(error):
-    from keras_parallel.torch_group import PeerFailedError
-    from keras_parallel.torch_group import publish_failure
+    from keras_parallel.torch_group import PeerFailedError, publish_failure
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -304,6 +303,10 @@ def _raise_first(failures, n):
         )
     try:
         error.rank = rank
+        # Every failed rank's error, as text: the others usually name `rank`.
+        error.rank_errors = {
+            r: f"{f['type']}: {f['message']}" for r, f in sorted(failures.items())
+        }
     except Exception:
         pass
     if hasattr(error, "add_note"):
@@ -402,5 +405,4 @@ def _takes_value(option):
 
 
 if __name__ == "__main__":
-    queue_module  # noqa: B018 - kept for readers: results use SimpleQueue.
     sys.exit(main())

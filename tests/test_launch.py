@@ -1,0 +1,130 @@
+"""`keras_parallel.launch` (module `launcher`): processes started on torch.distributed.
+
+`launch()` is tested with trivial functions (no model) so that the process
+machinery is tested apart from DDP; `tests/test_executor_torch.py` runs
+training through it. The CLI is tested through its torchrun arguments and
+one end-to-end run of a small script.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="the launcher starts torch processes"
+)
+
+if keras.backend.backend() == "torch":
+    pytest.importorskip("torch")
+
+import torch_workers as workers  # noqa: E402
+
+
+def _launch():
+    from keras_parallel import launcher
+
+    return launcher
+
+
+def test_results_are_rank_ordered():
+    import keras_parallel
+
+    results = keras_parallel.launch(workers.echo, 3, args=("hi",), timeout=60)
+    assert results == [(0, "hi", "3"), (1, "hi", "3"), (2, "hi", "3")]
+
+
+def test_failing_rank_reraises_its_exception_with_traceback():
+    with pytest.raises(KeyError, match="no such key on rank 1") as raised:
+        _launch().launch(workers.echo, 2, args=("x", 1), timeout=60)
+    assert raised.value.rank == 1
+    cause = raised.value.__cause__
+    assert "torch_workers.py" in str(cause) and "echo" in str(cause)
+
+
+def test_timeout_ends_every_process():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\].*timeout=3"):
+        _launch().launch(workers.sleep_forever, 2, timeout=3)
+    assert time.monotonic() - start < 30
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("keras-parallel-rank")]
+
+
+def test_bad_num_processes():
+    with pytest.raises(ValueError, match="num_processes must be a positive int"):
+        _launch().launch(workers.echo, 0)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["--nproc", "2", "train.py", "--epochs", "3"],
+            ["--standalone", "--nproc-per-node", "2", "train.py", "--epochs", "3"],
+        ),
+        (
+            ["--nproc=4", "--master-port", "1234", "t.py"],
+            ["--nproc-per-node=4", "--master-port", "1234", "t.py"],
+        ),
+        (
+            ["--nproc", "2", "--max-restarts", "1", "t.py", "--nproc", "9"],
+            ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "t.py", "--nproc", "9"],
+        ),
+    ],
+)
+def test_cli_passes_torchrun_options(argv, expected):
+    assert _launch()._torchrun_args(argv) == expected
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import keras, numpy as np
+    import keras_parallel
+
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = Net(inputs=inputs, outputs=keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="sgd", loss="mse",
+                  distribution=keras_parallel.DataParallel())
+    x = np.ones((40, 4), "float32"); y = np.zeros((40, 2), "float32")
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    rank = os.environ["RANK"]
+    with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as f:
+        f.write(f"{os.environ['WORLD_SIZE']} {history.history['loss'][0]:.6f}")
+    if sys.argv[2:] == ["fail"] and rank == "1":
+        raise SystemExit(3)
+    """
+)
+
+
+def _run_cli(tmp_path, *extra):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "keras_parallel.cli", "launch", "--nproc", "2",
+         str(script), str(tmp_path), *extra],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+
+
+def test_cli_runs_a_script_in_n_processes(tmp_path):
+    result = _run_cli(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert lines[0] == lines[1] and lines[0].startswith("2 ")
+
+
+def test_cli_exits_nonzero_when_a_rank_fails(tmp_path):
+    result = _run_cli(tmp_path, "fail")
+    assert result.returncode == 1

@@ -1,0 +1,318 @@
+"""Functions the torch multi-process tests run in every rank.
+
+They live in their own module (not a test module) so that `spawn`ed
+processes can import them by name without collecting tests. Each returns
+plain NumPy / Python values for the parent to compare.
+"""
+
+import os
+
+import numpy as np
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+
+def _keras():
+    import keras
+
+    return keras
+
+
+def make_data(n=1003, features=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return x, y
+
+
+def make_model(distributed=True, batchnorm=False, seed=3, classes=3, features=6):
+    """A small model without dropout; optionally a DistributedModel."""
+    keras = _keras()
+    import keras_parallel
+
+    base = keras.Model
+    if distributed:
+
+        class Net(keras_parallel.DistributedModel, keras.Model):
+            pass
+
+        base = Net
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    x = keras.layers.Dense(16, activation="tanh")(inputs)
+    if batchnorm:
+        x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    outputs = keras.layers.Dense(classes)(x)
+    return base(inputs=inputs, outputs=outputs)
+
+
+def _compile(model, distribution=None, lr=0.1):
+    keras = _keras()
+    kwargs = {} if distribution is None else {"distribution": distribution}
+    model.compile(
+        optimizer=keras.optimizers.SGD(lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **kwargs,
+    )
+
+
+def weights_of(model):
+    return [np.array(v.numpy()) for v in model.weights]
+
+
+def train(
+    door="mixin",
+    steps=None,
+    epochs=1,
+    n=1003,
+    batch_size=64,
+    batchnorm=False,
+    sync_batchnorm=False,
+    shuffle=False,
+    distributed=True,
+    with_validation=False,
+    data_kind="numpy",
+):
+    """Fits the small model; returns weights, history and rank info.
+
+    Args:
+        door: "mixin" (DistributedModel) or "callback" (ShardingCallback).
+        steps: steps_per_epoch, or None for whole epochs.
+        distributed: False trains the same model in plain Keras.
+    """
+    _keras()
+    import keras_parallel
+
+    x, y = make_data(n)
+    callbacks = []
+    model = make_model(
+        distributed=distributed and door == "mixin", batchnorm=batchnorm
+    )
+    distribution = None
+    if distributed:
+        distribution = keras_parallel.DataParallel(sync_batchnorm=sync_batchnorm)
+    if door == "mixin":
+        _compile(model, distribution)
+    else:
+        _compile(model)
+        if distribution is not None:
+            callbacks.append(keras_parallel.ShardingCallback(distribution))
+    data = {"x": x, "y": y}
+    if data_kind == "dataloader":
+        import torch
+
+        dataset = torch.utils.data.TensorDataset(
+            torch.from_numpy(x), torch.from_numpy(y)
+        )
+        data = {
+            "x": torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+        }
+    elif data_kind == "pydataset":
+        data = {"x": _ArraySequence(x, y, batch_size)}
+    fit_kwargs = {}
+    if data_kind == "numpy":
+        fit_kwargs["batch_size"] = batch_size
+        fit_kwargs["shuffle"] = shuffle
+    if with_validation:
+        fit_kwargs["validation_data"] = (x[:301], y[:301])
+    history = model.fit(
+        **data,
+        epochs=epochs,
+        steps_per_epoch=steps,
+        verbose=0,
+        callbacks=callbacks,
+        **fit_kwargs,
+    )
+    evaluation = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+    predictions = model.predict(x[:203], batch_size=batch_size, verbose=0)
+    return {
+        "weights": weights_of(model),
+        "history": {k: list(map(float, v)) for k, v in history.history.items()},
+        "evaluation": {k: float(v) for k, v in evaluation.items()},
+        "predictions": np.asarray(predictions),
+        "rank": int(os.environ.get("RANK", "0")),
+    }
+
+
+class _ArraySequence:
+    """A `keras.utils.PyDataset` over arrays, made lazily (keras import)."""
+
+    def __new__(cls, x, y, batch_size):
+        keras = _keras()
+
+        class Sequence(keras.utils.PyDataset):
+            def __init__(self):
+                super().__init__()
+
+            def __len__(self):
+                return -(-len(x) // batch_size)
+
+            def __getitem__(self, i):
+                s = slice(i * batch_size, (i + 1) * batch_size)
+                return x[s], y[s]
+
+        return Sequence()
+
+
+def count_samples(epochs=2, n=1003, batch_size=64, shuffle=True):
+    """Trains on sample ids and counts, per rank, the ids each step saw."""
+    keras = _keras()
+    import keras_parallel
+
+    x, y = make_data(n)
+    ids = np.arange(n, dtype="float32")
+    seen = []
+
+    class Counting(keras_parallel.DistributedModel, keras.Model):
+        def train_step(self, data):
+            (x_batch, id_batch), _ = data[0], data[1]
+            seen.append(np.asarray(id_batch.detach().cpu().numpy()).astype(int).ravel())
+            return super().train_step(((x_batch, id_batch), data[1]))
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    id_input = keras.Input((1,))
+    hidden = keras.layers.Dense(4)(inputs)
+    outputs = keras.layers.Dense(3)(
+        keras.layers.Concatenate()([hidden, id_input * 0.0])
+    )
+    model = Counting(inputs=[inputs, id_input], outputs=outputs)
+    _compile(model, keras_parallel.DataParallel())
+    model.fit(
+        (x, ids[:, None]), y, batch_size=batch_size, epochs=epochs, shuffle=shuffle,
+        verbose=0,
+    )
+    return [s.tolist() for s in seen]
+
+
+def fail_at(step=3, failing_rank=1):
+    """Trains, and rank `failing_rank` raises at train step `step`."""
+    keras = _keras()
+    import keras_parallel
+
+    rank = int(os.environ.get("RANK", "0"))
+    x, y = make_data(640)
+
+    class Failing(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            pass
+
+    model = make_model(distributed=True)
+    _compile(model, keras_parallel.DataParallel())
+    original = model.train_step
+
+    calls = {"n": 0}
+
+    def train_step(data):
+        calls["n"] += 1
+        if rank == failing_rank and calls["n"] == step:
+            raise ValueError(f"boom on rank {rank} at step {step}")
+        return original(data)
+
+    object.__setattr__(model, "train_step", train_step)
+    model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[Failing()])
+    return "finished"
+
+
+def digits_accuracy(epochs=12, batch_size=32):
+    """The demo's convnet on digits; returns the test accuracy."""
+    from keras_parallel import demo
+
+    return demo.run(epochs=epochs, batch_size=batch_size, verbose=0)
+
+
+def rank_info():
+    import keras_parallel
+    from keras_parallel.executors import executor_class
+
+    devices = keras_parallel.DataParallel().device_mesh.devices.tolist()
+    executor = executor_class()(keras_parallel.DataParallel())
+    return {
+        "devices": devices,
+        "rank": executor.process_index,
+        "world": executor.num_processes,
+        "sum": executor.reduce(float(executor.process_index + 1), op="sum"),
+        "mean": executor.reduce(float(executor.process_index + 1)),
+        "broadcast": executor.broadcast(f"from {executor.process_index}"),
+    }
+
+
+def scenarios(cases):
+    """Runs `train(**case)` for each case in one process; returns the list."""
+    return [train(**case) for case in cases]
+
+
+def uneven_data(batch_size=64):
+    """Rank 1 is given 3 fewer samples than rank 0: must fail, not hang."""
+    keras = _keras()
+    import keras_parallel
+
+    rank = int(os.environ.get("RANK", "0"))
+    x, y = make_data(1003 - 3 * rank)
+    model = make_model()
+    _compile(model, keras_parallel.DataParallel())
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    return keras.__version__
+
+
+def tiny_batch():
+    """batch_size 1 with 2 processes: a ValueError saying what to change."""
+    import keras_parallel
+
+    x, y = make_data(10)
+    model = make_model()
+    _compile(model, keras_parallel.DataParallel())
+    model.fit(x, y, batch_size=1, epochs=1, verbose=0)
+
+
+def echo(value, fail_rank=None):
+    """Returns (rank, value); raises KeyError on `fail_rank`."""
+    rank = int(os.environ["RANK"])
+    if rank == fail_rank:
+        raise KeyError(f"no such key on rank {rank}")
+    return rank, value, os.environ["WORLD_SIZE"]
+
+
+def sleep_forever():
+    import time
+
+    time.sleep(3600)
+
+
+def chief_writes(directory):
+    """Fits with progress, CSVLogger, ModelCheckpoint, then model.save.
+
+    Returns what this rank printed and the files in `directory` after a
+    barrier (so rank 1 sees rank 0's files).
+    """
+    import contextlib
+    import io
+
+    keras = _keras()
+    import torch.distributed as dist
+
+    import keras_parallel
+
+    x, y = make_data(256)
+    model = make_model()
+    _compile(model, keras_parallel.DataParallel())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model.fit(
+            x,
+            y,
+            batch_size=64,
+            epochs=2,
+            verbose=2,
+            callbacks=[
+                keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+                keras.callbacks.ModelCheckpoint(
+                    os.path.join(directory, "model.keras")
+                ),
+            ],
+        )
+        model.save(os.path.join(directory, "model.keras"))
+    dist.barrier()
+    return printed.getvalue(), sorted(os.listdir(directory))
