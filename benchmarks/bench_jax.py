@@ -52,9 +52,12 @@ def loss_fn():
 
 
 class GuideLoop:
-    """The guide's hand-written loop, as written there."""
+    """The guide's hand-written loop, as written there.
 
-    def __init__(self, x, y, batch_size):
+    With `devices=1` it is the same loop on one device, with no sharding.
+    """
+
+    def __init__(self, x, y, batch_size, devices=None):
         self.x, self.y, self.batch_size = x, y, batch_size
         keras.utils.set_random_seed(0)
         model = demo.get_model()
@@ -78,12 +81,14 @@ class GuideLoop:
             trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
             return loss_value, (trainable, non_trainable, opt_vars)
 
-        devices = np.array(jax.devices())
+        devices = np.array(jax.devices()[:devices])
         replicated = NamedSharding(Mesh(devices, ("_",)), P())
         self.data_sharding = NamedSharding(Mesh(devices, ("batch",)), P("batch"))
         self.state = (
             jax.device_put([v.value for v in model.trainable_variables], replicated),
-            jax.device_put([v.value for v in model.non_trainable_variables], replicated),
+            jax.device_put(
+                [v.value for v in model.non_trainable_variables], replicated
+            ),
             jax.device_put([v.value for v in optimizer.variables], replicated),
         )
         self.train_step = train_step
@@ -95,7 +100,9 @@ class GuideLoop:
     def epochs(self, n):
         for _ in range(n):
             for start in range(0, len(self.x) - self.batch_size + 1, self.batch_size):
-                xb = jax.device_put(self.x[start : start + self.batch_size], self.data_sharding)
+                xb = jax.device_put(
+                    self.x[start : start + self.batch_size], self.data_sharding
+                )
                 yb = self.y[start : start + self.batch_size]
                 loss_value, self.state = self.train_step(self.state, xb, yb)
                 if self.one_step_at_a_time:
@@ -104,19 +111,27 @@ class GuideLoop:
 
 
 class KerasParallelFit:
-    def __init__(self, x, y, batch_size):
+    """`DistributedModel.fit` under `DataParallel()`; `distributed=False`: Keras's
+    own `fit` on one device, with no keras_parallel in the way."""
+
+    def __init__(self, x, y, batch_size, distributed=True):
         self.x, self.y, self.batch_size = x, y, batch_size
         keras.utils.set_random_seed(0)
         self.model = demo.get_model(Net)
         self.model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=loss_fn(),
-            distribution=keras_parallel.DataParallel(),
+            distribution=keras_parallel.DataParallel() if distributed else None,
         )
 
     def epochs(self, n):
         self.model.fit(
-            self.x, self.y, batch_size=self.batch_size, epochs=n, shuffle=False, verbose=0
+            self.x,
+            self.y,
+            batch_size=self.batch_size,
+            epochs=n,
+            shuffle=False,
+            verbose=0,
         )
 
 
@@ -128,20 +143,34 @@ def timed(runner, epochs):
 
 def speed(batch_size, rounds, epochs):
     x, y = data(batch_size * 16 if batch_size >= 512 else 4096)
-    runners = {"loop": GuideLoop(x, y, batch_size), "fit": KerasParallelFit(x, y, batch_size)}
+    runners = {
+        "loop": GuideLoop(x, y, batch_size),
+        "fit": KerasParallelFit(x, y, batch_size),
+        # One device, no keras_parallel: what Keras's own fit costs over the
+        # guide's loop, which is not ours to cut.
+        "loop_1": GuideLoop(x, y, batch_size, devices=1),
+        "keras_1": KerasParallelFit(x, y, batch_size, distributed=False),
+    }
     for runner in runners.values():
         runner.epochs(1)  # compile
     times = {name: [] for name in runners}
     for _ in range(rounds):
         for name, runner in runners.items():
             times[name].append(timed(runner, epochs) / (epochs * len(x)))
-    loop = statistics.median(times["loop"])
-    fit = statistics.median(times["fit"])
-    print(
-        f"batch {batch_size:4d}: loop {loop * 1e6:8.1f} us/sample, "
-        f"fit {fit * 1e6:8.1f} us/sample, ratio fit/loop {fit / loop:.3f}"
+    median = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    # Ratios of the runs of one round, then their median: the machine's
+    # drift between rounds cancels out.
+    ratio = statistics.median(f / lp for f, lp in zip(times["fit"], times["loop"]))
+    keras_ratio = statistics.median(
+        k / lp for k, lp in zip(times["keras_1"], times["loop_1"])
     )
-    return fit / loop
+    print(
+        f"batch {batch_size:4d}: loop {median['loop']:7.1f} us/sample, fit "
+        f"{median['fit']:7.1f} us/sample, ratio fit/loop {ratio:.3f}  |  one "
+        f"device, no keras_parallel: loop {median['loop_1']:7.1f}, Keras fit "
+        f"{median['keras_1']:7.1f}, ratio {keras_ratio:.3f}"
+    )
+    return ratio
 
 
 def memory():
@@ -187,13 +216,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 512])
     args = parser.parse_args()
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"{len(jax.devices())} {jax.devices()[0].platform} devices, "
         f"jax {jax.__version__}, keras {keras.__version__}"
     )
-    for batch_size in (64, 512):
+    for batch_size in args.batches:
         speed(batch_size, args.rounds, args.epochs)
     memory()
 

@@ -11,7 +11,9 @@ global. So this executor
 - installs a `PlannedDistribution` as the global distribution only while an
   entry point runs (`scope`), restoring whatever was there before,
 - and, for that time only, lays out a batch that the data axis does not
-  divide replicated instead of split (see `distribute_batch`).
+  divide replicated instead of split (see `distribute_batch`),
+- and, on CPU devices only, compiles the step without buffer donation and
+  waits for each step (see `wrap_step` and `_jit_without_donation`).
 """
 
 import contextlib
@@ -20,6 +22,7 @@ import jax
 import keras
 from keras.distribution import TensorLayout
 from keras.src.backend.jax import distribution_lib as keras_jax_distribution_lib
+from keras.src.backend.jax import trainer as keras_jax_trainer
 from keras.src.distribution.distribution_lib import Distribution
 
 from keras_parallel.executors.base import Executor
@@ -61,7 +64,6 @@ class PlannedDistribution(Distribution):
         if data_shape and data_shape[0] % self.plan.data_parallel_size == 0:
             axes[0] = self.plan.batch_axis
         return TensorLayout(axes, self.device_mesh)
-
 
     def get_variable_layout(self, variable):
         if getattr(variable, "_layout", None) is not None:
@@ -120,17 +122,23 @@ class JaxExecutor(Executor):
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(self._planned)
         keras_jax_distribution_lib.distribute_data_input = distribute_batch
+        if self._on_cpu():
+            keras_jax_trainer.jit = _jit_without_donation
         try:
             yield
         finally:
+            keras_jax_trainer.jit = _keras_jit
             keras_jax_distribution_lib.distribute_data_input = (
                 _keras_distribute_data_input
             )
             keras.distribution.set_distribution(previous)
 
-    def wrap_step(self, function):
+    def _on_cpu(self):
         names = self.device_names(self.distribution.device_mesh.devices.flatten())
-        if len(names) < 2 or not all(name.startswith("cpu") for name in names):
+        return len(names) > 1 and all(name.startswith("cpu") for name in names)
+
+    def wrap_step(self, function):
+        if not self._on_cpu():
             return function
 
         # XLA:CPU runs each simulated device on a thread and meets them at
@@ -194,3 +202,18 @@ def distribute_batch(per_process_batch, layout, batch_dim_name):
                 sharding.mesh, jax.sharding.PartitionSpec()
             )
     return _keras_distribute_data_input(per_process_batch, sharding, batch_dim_name)
+
+
+_keras_jit = keras_jax_trainer.jit
+
+
+def _jit_without_donation(function, *args, donate_argnums=None, **kwargs):
+    """Keras's step `jit`, without donating the state's buffers.
+
+    Keras donates the state to its compiled step so that an accelerator
+    holds one copy of the variables, not two. On XLA:CPU, over several
+    devices, donation made the guide's convnet step 2 to 4 % slower here
+    (benchmarks/bench_jax.py; the guide's own loop does not donate), and the
+    copy it saves lives in host memory. Accelerators keep Keras's donation.
+    """
+    return _keras_jit(function, *args, **kwargs)
