@@ -18,10 +18,13 @@ rewrite `fit`'s arguments, but both can reach the step):
   rank `r` is scaled by `W * n_r / sum(n)`: the average is then exactly the
   gradient of the global batch's mean loss, uneven last batch included.
 - Metrics: every metric state (the loss tracker's total and count, the
-  accuracy's, ...) is made global after each step by adding the sum over
-  ranks of this step's change. Keras then reads the same numbers on every
-  rank, and they are the single-process numbers. This assumes additive
-  states (sums and counts), as every built-in Keras metric has.
+  accuracy's, ...) is made global by adding the sum over ranks of its
+  change since the last time it was made global. Keras then reads the same
+  numbers on every rank, and they are the single-process numbers. This
+  assumes additive states (sums and counts), as every built-in Keras metric
+  has. It happens after every step when a callback reads per-step logs,
+  else once, when Keras reads the results at the end of the epoch or
+  evaluation (see `torch_step_logs`).
 - Check: the same reduction carries each rank's global batch size and a
   checksum of its first input, so ranks fed different data (other sizes,
   another shuffle) fail with a `ValueError` instead of silently training on
@@ -111,9 +114,7 @@ class DDPModule(torch.nn.Module):
 
     def __init__(self, model, call):
         super().__init__()
-        params = [
-            p for _, p in model.named_parameters() if torch.is_floating_point(p)
-        ]
+        params = [p for _, p in model.named_parameters() if torch.is_floating_point(p)]
         self.params = torch.nn.ParameterList(params)
         # Held outside the module tree: registering the model as a submodule
         # would register its integer parameters too.
@@ -149,7 +150,11 @@ class RankSteps:
         self._saved = {}
         self._own_call = None
         self._grad_scale = 1.0
-        self._pending = None  # Metric states before this step, flat.
+        self._pending = None  # Metric states when last made global, flat.
+        self._rows_seen = 0.0  # Rows and checksums since then, for the
+        self._check_seen = 0.0  # same-batches check.
+        self._global_step_logs = True
+        self._in_step = False
         self._whole = False
         self._step = 0
         #: Set by a train step: non-trainable variables (BatchNorm moving
@@ -183,6 +188,9 @@ class RankSteps:
         )
         object.__setattr__(model, "get_metrics_result", self._metrics_result)
         self._step = 0
+        # Until a run's callbacks say otherwise (train_on_batch has none,
+        # and returns its logs to the user): global logs at every step.
+        self._global_step_logs = True
         self._installed = True
 
     def uninstall(self):
@@ -195,6 +203,12 @@ class RankSteps:
                 object.__setattr__(self.model, name, value)
         self._saved = {}
         self._installed = False
+
+    def set_global_step_logs(self, on):
+        """Whether each step's logs are made global (see `torch_step_logs`)."""
+        if self._pending is not None and not self._in_step:
+            self._reduce_metrics()  # What the last run left local.
+        self._global_step_logs = bool(on)
 
     # ---------------------------------------------------------- steps
     def _wrap(self, step, kind):
@@ -237,20 +251,31 @@ class RankSteps:
         if kind == "predict":
             outputs = step(local)
             return outputs if whole else self._gather(outputs, rows)
-        self._pending = self._metric_state()
-        self._checks = (rows, checksum(data))
-        if kind == "train":
-            self.dirty = True
-            used = rows * self.world_size if whole else rows
-            self._grad_scale = self.world_size * (stop - start) / used
-            self._route_call(True)
-            try:
+        if self._pending is None:
+            self._pending = self._metric_state()
+        # Every rank computes a whole batch; rank 0 alone may count it.
+        lazy_whole = whole and self.rank and not self._global_step_logs
+        before_step = self._metric_state() if lazy_whole else None
+        self._rows_seen += rows
+        self._check_seen += checksum(data)
+        self._in_step = True
+        try:
+            if kind == "train":
+                self.dirty = True
+                used = rows * self.world_size if whole else rows
+                self._grad_scale = self.world_size * (stop - start) / used
+                self._route_call(True)
+                try:
+                    logs = step(local)
+                finally:
+                    self._route_call(False)
+            else:
                 logs = step(local)
-            finally:
-                self._route_call(False)
-        else:
-            logs = step(local)
-        if self._pending is not None:
+        finally:
+            self._in_step = False
+        if before_step is not None:
+            self._set_metric_state(before_step)
+        if self._global_step_logs and self._pending is not None:
             # A custom step that never asked for the metrics' results.
             self._reduce_metrics()
         return logs
@@ -294,30 +319,33 @@ class RankSteps:
         )
 
     def _metrics_result(self):
-        if self._pending is not None:
+        # Inside a step whose logs nobody reads, the local results do.
+        if self._pending is not None and (self._global_step_logs or not self._in_step):
             self._reduce_metrics()
         return self._original_metrics_result()
 
     def _reduce_metrics(self):
         before, self._pending = self._pending, None
-        variables = self._metric_variables()
         after = self._metric_state()
         delta = after - before.to(after.device)
-        if self._whole and self.rank != 0:
-            delta = torch.zeros_like(delta)  # Counted once, by rank 0.
-        rows, check = self._checks
+        if self._whole and self._global_step_logs and self.rank != 0:
+            delta = torch.zeros_like(delta)  # This step counted once, by rank 0.
+        rows, check = self._rows_seen, self._check_seen
+        self._rows_seen = self._check_seen = 0.0
         extra = torch.tensor(
             [1.0, rows, rows * rows, check, check * check], dtype=torch.float64
         )
         packed = torch.cat([delta, extra.to(delta.device)])
         dist.all_reduce(packed)
-        total = before.to(after.device) + packed[: delta.numel()]
         _check_same_batches(packed[delta.numel() :].tolist(), self.rank, rows)
+        self._set_metric_state(before.to(after.device) + packed[: delta.numel()])
+
+    def _set_metric_state(self, flat):
         offset = 0
         with torch.no_grad():
-            for v in variables:
+            for v in self._metric_variables():
                 n = int(np.prod(v.shape)) if len(v.shape) else 1
-                piece = total[offset : offset + n].reshape(tuple(v.shape))
+                piece = flat[offset : offset + n].reshape(tuple(v.shape))
                 v.value.copy_(piece.to(v.value.dtype))
                 offset += n
 
@@ -376,7 +404,7 @@ def _check_same_batches(extra, rank, rows):
         what = "sizes" if sizes_differ else "contents"
         raise ValueError(
             f"The ranks received global batches of different {what} in the "
-            f"same step (rank {rank} had {rows} rows; mean over ranks "
+            f"same steps (rank {rank} had {rows:g} rows; mean over ranks "
             f"{total / ranks:g}). Every rank must iterate the same data in "
             "the same order: give each process the whole data set (not a "
             "per-rank shard) with the same length; keras_parallel slices "
@@ -390,5 +418,11 @@ def _is_collective_failure(error):
     text = str(error).lower()
     return isinstance(error, RuntimeError) and any(
         word in text
-        for word in ("gloo", "nccl", "connection closed", "connection reset", "timed out")
+        for word in (
+            "gloo",
+            "nccl",
+            "connection closed",
+            "connection reset",
+            "timed out",
+        )
     )

@@ -52,6 +52,8 @@ CASES = {
     "bn_sync_one_step": dict(steps=1, batchnorm=True, sync_batchnorm=True),
     "dataloader": dict(data_kind="dataloader", steps=None),
     "pydataset": dict(data_kind="pydataset", steps=None),
+    "step_logs": dict(steps=None, record_step_logs=True),
+    "callback_step_logs": dict(door="callback", steps=None, record_step_logs=True),
 }
 TOLERANCE = {
     "one_step": 1e-5,
@@ -166,6 +168,19 @@ def test_logs_equal_single_process(two_ranks, single, name):
             np.testing.assert_allclose(result["history"][key], values, rtol=1e-5)
         for key, value in single[name]["evaluation"].items():
             np.testing.assert_allclose(result["evaluation"][key], value, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["step_logs", "callback_step_logs"])
+def test_step_logs_are_global_when_a_callback_reads_them(two_ranks, single, name):
+    # Without such a callback, metrics are made global once per epoch (the
+    # History checks above); with one, after every step.
+    reference = single[name]["step_logs"]
+    assert len(reference) == 16  # 1003 samples at batch 64.
+    for result in two_ranks[name]:
+        assert len(result["step_logs"]) == len(reference)
+        for mine, theirs in zip(result["step_logs"], reference):
+            for key, value in theirs.items():
+                assert mine[key] == pytest.approx(value, rel=1e-5), key
 
 
 def test_predict_equals_single_process_in_input_order(two_ranks, single):

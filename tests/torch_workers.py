@@ -74,6 +74,7 @@ def train(
     distributed=True,
     with_validation=False,
     data_kind="numpy",
+    record_step_logs=False,
 ):
     """Fits the small model; returns weights, history and rank info.
 
@@ -93,6 +94,16 @@ def train(
     distribution = None
     if distributed:
         distribution = keras_parallel.DataParallel(sync_batchnorm=sync_batchnorm)
+    step_logs = []
+    if record_step_logs:
+        # A callback that reads every step's logs: they must be global.
+        keras = _keras()
+
+        class StepLogs(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                step_logs.append({k: float(v) for k, v in logs.items()})
+
+        callbacks.append(StepLogs())
     if door == "mixin":
         _compile(model, distribution)
     else:
@@ -132,6 +143,7 @@ def train(
         "history": {k: list(map(float, v)) for k, v in history.history.items()},
         "evaluation": {k: float(v) for k, v in evaluation.items()},
         "predictions": np.asarray(predictions),
+        "step_logs": step_logs,
         "rank": int(os.environ.get("RANK", "0")),
     }
 

@@ -10,7 +10,9 @@ same global batches; this executor supplies only what it needs:
   states, and makes `model.save` write on rank 0 only.
 - `scope`: while an entry point runs, installs the per-rank steps of
   `keras_parallel.torch_steps` (slice of each global batch, forward through
-  DDP, global metrics, gathered predictions), silences the progress bar and
+  DDP, global metrics, gathered predictions) and the choice of when metrics
+  are made global (`keras_parallel.torch_step_logs`), silences the progress
+  bar and
   file-writing callbacks on ranks other than 0, gives every rank rank 0's
   random state (one shuffle for all), and, with `sync_batchnorm`, makes
   BatchNorm use global batch statistics.
@@ -34,6 +36,7 @@ from keras_parallel import torch_group
 from keras_parallel.errors import ShardingError
 from keras_parallel.executors.base import Executor
 from keras_parallel.torch_chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.torch_step_logs import StepLogPolicy
 from keras_parallel.torch_steps import DDPModule, RankSteps
 from keras_parallel.torch_sync_bn import SyncBatchNorm
 
@@ -209,7 +212,7 @@ class TorchExecutor(Executor):
                     part.uninstall()
 
     def _scope_parts(self, model):
-        parts = [self._steps]
+        parts = [self._steps, StepLogPolicy(self._steps)]
         if getattr(self.distribution, "sync_batchnorm", False):
             parts.append(SyncBatchNorm(model))
         if not self.is_chief:
@@ -278,4 +281,3 @@ class TorchExecutor(Executor):
     def barrier(self):
         if self.num_processes > 1:
             dist.barrier()
-
