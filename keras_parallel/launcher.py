@@ -138,9 +138,7 @@ def launch(
     port = free_port()
     # The store the ranks rendezvous on lives here, as torchrun's agent
     # store does: it outlives every rank, so failures can still be named.
-    store = TCPStore(
-        "127.0.0.1", port, num_processes, True, wait_for_workers=False
-    )
+    store = TCPStore("127.0.0.1", port, num_processes, True, wait_for_workers=False)
     context = multiprocessing.get_context(start_method)
     results = context.SimpleQueue()
     env = {

@@ -48,7 +48,11 @@ def global_moments(layer):
         sums = x.sum(dim=axes)
         squares = (x * x).sum(dim=axes)
         packed = torch.cat(
-            [sums, squares, torch.tensor([float(count)], dtype=torch.float64, device=x.device)]
+            [
+                sums,
+                squares,
+                torch.tensor([float(count)], dtype=torch.float64, device=x.device),
+            ]
         )
         packed = dist_fn.all_reduce(packed)
         n = sums.numel()

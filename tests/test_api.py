@@ -29,6 +29,10 @@ def test_import_loads_no_keras_and_no_backend():
         "print(loaded)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     assert out.stdout.strip() == "[]"

@@ -19,7 +19,9 @@ class Net(keras_parallel.DistributedModel, keras.Model):
 
 
 def test_wrong_type_is_refused_on_every_backend():
-    with pytest.raises(ShardingError, match="`distribution` must be a keras.distribution.Distribution"):
+    with pytest.raises(
+        ShardingError, match="`distribution` must be a keras.distribution.Distribution"
+    ):
         Binding("data_parallel")
     assert issubclass(ShardingError, ValueError)
 
@@ -72,7 +74,9 @@ def _bad_distributions():
             "dimension 6 is not divisible",
         ),
         "two keys": (
-            lambda: _model_parallel({"d1/.*": (None, "model"), ".*/kernel": (None, None)}),
+            lambda: _model_parallel(
+                {"d1/.*": (None, "model"), ".*/kernel": (None, None)}
+            ),
             "matched by 2 LayoutMap keys",
         ),
         "batch axis": (
@@ -114,12 +118,16 @@ def _six_wide():
 def test_bad_distribution_after_a_good_one_returns_to_one_device():
     x, y = regression_data(64)
     model = dense_model(Net)
-    model.compile(optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel())
+    model.compile(
+        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+    )
     model.fit(x, y, batch_size=32, verbose=0)
     before = weights_of(model)
     with pytest.raises(ValueError, match="has rank 1"):
         model.compile(
-            optimizer="sgd", loss="mse", distribution=_model_parallel({"d1/kernel": ("model",)})
+            optimizer="sgd",
+            loss="mse",
+            distribution=_model_parallel({"d1/kernel": ("model",)}),
         )
     assert model.distribution is None
     for a, b in zip(before, weights_of(model)):

@@ -26,7 +26,9 @@ def test_callback_fit_equals_one_device_and_leaves_no_global_state():
         x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[callback]
     )
     assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-4
-    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        history.history["loss"], expected.history["loss"], rtol=1e-5
+    )
     assert len(model.get_layer("d1").kernel.value.sharding.device_set) == 8
     assert keras.distribution.distribution() is None
 
@@ -44,7 +46,12 @@ def test_callback_on_a_trained_model_with_model_parallel_and_validation():
         keras.distribution.ModelParallel(layout_map=layout_map)
     )
     model.fit(
-        x, y, batch_size=64, verbose=0, validation_data=(x[:64], y[:64]), callbacks=[callback]
+        x,
+        y,
+        batch_size=64,
+        verbose=0,
+        validation_data=(x[:64], y[:64]),
+        callbacks=[callback],
     )
     from jax.sharding import PartitionSpec as P
 

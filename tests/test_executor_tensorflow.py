@@ -76,15 +76,21 @@ def test_data_parallel_spans_all_logical_cpus():
 def test_device_names_normalize(name, expected):
     from keras_parallel.executors.tensorflow import TensorFlowExecutor
 
-    executor = TensorFlowExecutor(keras_parallel.DataParallel(devices=tf_devices.devices(2)))
+    executor = TensorFlowExecutor(
+        keras_parallel.DataParallel(devices=tf_devices.devices(2))
+    )
     assert executor.device_names([name]) == [expected]
 
 
 def test_model_parallel_is_refused_naming_the_backends_that_have_it():
-    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], tf_devices.devices(4))
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], tf_devices.devices(4)
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["d1/kernel"] = (None, "model")
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
     model = _model()
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(NotImplementedError, match="JAX and torch") as info:
@@ -102,12 +108,12 @@ def test_model_parallel_is_refused_naming_the_backends_that_have_it():
 def test_variables_are_mirrored_over_the_mesh(num_devices):
     x, y = _data()
     model = _model()
-    _compile(model, keras_parallel.DataParallel(devices=tf_devices.devices(num_devices)))
+    _compile(
+        model, keras_parallel.DataParallel(devices=tf_devices.devices(num_devices))
+    )
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     expected = tf_devices.devices(num_devices)
-    variables = (
-        model.variables + model.optimizer.variables + model.metrics_variables
-    )
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
     assert len(variables) > 10
     for variable in variables:
         assert _replica_devices(variable) == expected, variable.path
@@ -142,7 +148,9 @@ def test_metric_state_survives_the_move():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     before = {k: float(v) for k, v in model.get_metrics_result().items()}
     weights = model.get_weights()
-    strategy = tf_exact.strategy_for(["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"])
+    strategy = tf_exact.strategy_for(
+        ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+    )
     moved = tf_variables.move_variables(model, strategy)
     assert moved == len(tf_variables.all_variables(model))
     # An on-read SUM state (a metric's total) is split so that its sum over
@@ -153,7 +161,9 @@ def test_metric_state_survives_the_move():
     for a, b in zip(model.get_weights(), weights):
         np.testing.assert_array_equal(a, b)
     tf_variables.move_variables(model, None)
-    assert float(model.get_metrics_result()["mae"]) == pytest.approx(before["mae"], rel=1e-6)
+    assert float(model.get_metrics_result()["mae"]) == pytest.approx(
+        before["mae"], rel=1e-6
+    )
 
 
 def test_demo_main_splits_the_cpu_then_runs():

@@ -259,7 +259,9 @@ def test_rank_zero_alone_prints_and_writes(tmp_path):
 
 # ------------------------------------------------------------- bad input
 def test_different_data_sizes_across_ranks_fail_with_what_to_do():
-    with pytest.raises(ValueError, match="global batches of different (sizes|contents)"):
+    with pytest.raises(
+        ValueError, match="global batches of different (sizes|contents)"
+    ):
         _launch(workers.uneven_data, 2, collective_timeout=30)
 
 

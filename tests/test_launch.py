@@ -53,7 +53,11 @@ def test_timeout_ends_every_process():
     assert time.monotonic() - start < 30
     import multiprocessing
 
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("keras-parallel-rank")]
+    assert not [
+        p
+        for p in multiprocessing.active_children()
+        if p.name.startswith("keras-parallel-rank")
+    ]
 
 
 def test_bad_num_processes():
@@ -74,7 +78,16 @@ def test_bad_num_processes():
         ),
         (
             ["--nproc", "2", "--max-restarts", "1", "t.py", "--nproc", "9"],
-            ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "t.py", "--nproc", "9"],
+            [
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+                "t.py",
+                "--nproc",
+                "9",
+            ],
         ),
     ],
 )
@@ -112,9 +125,21 @@ def _run_cli(tmp_path, *extra):
     script.write_text(SCRIPT)
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, "-m", "keras_parallel.cli", "launch", "--nproc", "2",
-         str(script), str(tmp_path), *extra],
-        env=env, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "keras_parallel.cli",
+            "launch",
+            "--nproc",
+            "2",
+            str(script),
+            str(tmp_path),
+            *extra,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 

@@ -48,7 +48,9 @@ def model_parallel(mesh_shape, output_key="d2/output"):
     layout_map["d2/kernel"] = ("model", None)
     if output_key:
         layout_map[output_key] = ("data", None)
-    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data"
+    )
 
 
 def test_eight_devices_are_simulated():
@@ -110,13 +112,14 @@ def test_model_parallel_equals_one_device(mesh_shape):
     # The variables really are split as the LayoutMap says...
     kernel = model.get_layer("d1").kernel.value
     assert kernel.sharding.spec == P(None, "model")
-    assert dict(kernel.sharding.mesh.shape) == {"data": mesh_shape[0], "model": mesh_shape[1]}
+    assert dict(kernel.sharding.mesh.shape) == {
+        "data": mesh_shape[0],
+        "model": mesh_shape[1],
+    }
     shard_shapes = {s.data.shape for s in kernel.addressable_shards}
     assert shard_shapes == {(16, 32 // mesh_shape[1])}
     # ...and the optimizer slots follow their variable.
-    slots = [
-        v for v in model.optimizer.variables if "/d1_kernel_" in v.path
-    ]
+    slots = [v for v in model.optimizer.variables if "/d1_kernel_" in v.path]
     assert len(slots) == 2
     assert all(v.value.sharding.spec == P(None, "model") for v in slots)
 
@@ -192,7 +195,9 @@ def test_nested_layer_output_key_by_path_suffix():
         distribution=keras.distribution.ModelParallel(layout_map=layout_map),
     )
     plan = model._kp_binding.plan
-    assert [(o.key, o.path) for o in plan.outputs] == [("d2/output", "net/block/d2/output")]
+    assert [(o.key, o.path) for o in plan.outputs] == [
+        ("d2/output", "net/block/d2/output")
+    ]
     x, y = regression_data(64)
     model.fit(x, y, batch_size=32, verbose=0)
     assert model.block.d1.kernel.value.sharding.spec == P(None, "model")
@@ -229,7 +234,11 @@ def test_model_trained_before_the_distribution_continues_exactly():
     train(reference, x, y, epochs=2)
     model = dense_model(Net)
     train(model, x, y)  # one epoch on one device, optimizer built
-    model.compile(optimizer=model.optimizer, loss="mse", distribution=keras_parallel.DataParallel())
+    model.compile(
+        optimizer=model.optimizer,
+        loss="mse",
+        distribution=keras_parallel.DataParallel(),
+    )
     model.fit(x, y, batch_size=64, shuffle=False, verbose=0)
     assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-5
     assert len(model.get_layer("d1").kernel.value.sharding.device_set) == 8
@@ -253,7 +262,10 @@ def test_evaluate_predict_and_on_batch_methods_match_one_device():
     reference.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     model = dense_model(Net)
     model.compile(
-        optimizer="sgd", loss="mse", metrics=["mae"], distribution=model_parallel((4, 2))
+        optimizer="sgd",
+        loss="mse",
+        metrics=["mae"],
+        distribution=model_parallel((4, 2)),
     )
     np.testing.assert_allclose(
         model.evaluate(x, y, batch_size=64, verbose=0),
@@ -267,7 +279,10 @@ def test_evaluate_predict_and_on_batch_methods_match_one_device():
         atol=1e-6,
     )
     np.testing.assert_allclose(
-        model.predict_on_batch(x[:64]), reference.predict_on_batch(x[:64]), rtol=1e-5, atol=1e-6
+        model.predict_on_batch(x[:64]),
+        reference.predict_on_batch(x[:64]),
+        rtol=1e-5,
+        atol=1e-6,
     )
     np.testing.assert_allclose(
         model.train_on_batch(x[:64], y[:64]),
@@ -275,7 +290,9 @@ def test_evaluate_predict_and_on_batch_methods_match_one_device():
         rtol=1e-5,
     )
     np.testing.assert_allclose(
-        model.test_on_batch(x[:64], y[:64]), reference.test_on_batch(x[:64], y[:64]), rtol=1e-5
+        model.test_on_batch(x[:64], y[:64]),
+        reference.test_on_batch(x[:64], y[:64]),
+        rtol=1e-5,
     )
     assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-5
     assert keras.distribution.distribution() is None
@@ -286,12 +303,24 @@ def test_validation_data_inside_fit():
     reference = dense_model(keras.Model)
     reference.compile(optimizer="sgd", loss="mse")
     expected = reference.fit(
-        x, y, batch_size=64, validation_data=(x[:100], y[:100]), shuffle=False, verbose=0
+        x,
+        y,
+        batch_size=64,
+        validation_data=(x[:100], y[:100]),
+        shuffle=False,
+        verbose=0,
     )
     model = dense_model(Net)
-    model.compile(optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel())
+    model.compile(
+        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+    )
     history = model.fit(
-        x, y, batch_size=64, validation_data=(x[:100], y[:100]), shuffle=False, verbose=0
+        x,
+        y,
+        batch_size=64,
+        validation_data=(x[:100], y[:100]),
+        shuffle=False,
+        verbose=0,
     )
     np.testing.assert_allclose(
         history.history["val_loss"], expected.history["val_loss"], rtol=1e-5
@@ -311,7 +340,9 @@ def test_compile_without_distribution_returns_to_one_device():
 def test_fit_prints_the_plan_once_when_verbose(capsys):
     x, y = regression_data(64)
     model = dense_model(Net)
-    model.compile(optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel())
+    model.compile(
+        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+    )
     model.fit(x, y, batch_size=32, verbose=2)
     model.fit(x, y, batch_size=32, verbose=2)
     out = capsys.readouterr().out

@@ -59,7 +59,9 @@ def test_model_parallel_layouts_and_optimizer_slots(model):
     assert axes["d1/kernel"] == (None, "model")
     assert axes["d1/bias"] == ("model",)
     assert axes["d2/kernel"] == (None, None)
-    slots = [v for v in plan.variables if v.kind == "optimizer" and "d1_kernel" in v.path]
+    slots = [
+        v for v in plan.variables if v.kind == "optimizer" and "d1_kernel" in v.path
+    ]
     assert [v.axes for v in slots] == [(None, "model")] * 2
     assert all(v.key == "(follows d1/kernel)" for v in slots)
     kernel = next(v for v in plan.variables if v.path == "d1/kernel")
@@ -68,7 +70,9 @@ def test_model_parallel_layouts_and_optimizer_slots(model):
 
 def test_regex_key_matches_many_variables(model):
     plan = resolve(model_parallel({"d./kernel": (None, None)}), model)
-    assert [v.key for v in plan.variables if v.path.endswith("kernel")] == ["d./kernel"] * 2
+    assert [v.key for v in plan.variables if v.path.endswith("kernel")] == [
+        "d./kernel"
+    ] * 2
 
 
 def test_exact_key_wins_over_regex(model):
@@ -115,19 +119,27 @@ def test_layout_axis_not_in_mesh(model):
     layout_map = keras.distribution.LayoutMap(mesh())
     layout_map["d1/kernel"] = keras.distribution.TensorLayout((None, "shard"), other)
     distribution = keras.distribution.ModelParallel(layout_map=layout_map)
-    with pytest.raises(ShardingError, match="'d1/kernel' names a layout axis that is not a mesh axis"):
+    with pytest.raises(
+        ShardingError, match="'d1/kernel' names a layout axis that is not a mesh axis"
+    ):
         resolve(distribution, model)
 
 
 def test_layout_rank_differs_from_variable_rank(model):
-    with pytest.raises(ShardingError, match="has rank 1, but variable 'd1/kernel' has rank 2"):
+    with pytest.raises(
+        ShardingError, match="has rank 1, but variable 'd1/kernel' has rank 2"
+    ):
         resolve(model_parallel({"d1/kernel": ("model",)}), model)
 
 
 def test_dimension_not_divisible_by_mesh_axis(model):
     # A (16, 6) kernel: 6 columns do not split 8 ways.
-    with pytest.raises(ShardingError, match="'d2/kernel' cannot be split over mesh axis 'model'"):
-        resolve(model_parallel({"d2/kernel": (None, "model")}, shape=(1, 8)), _odd_model())
+    with pytest.raises(
+        ShardingError, match="'d2/kernel' cannot be split over mesh axis 'model'"
+    ):
+        resolve(
+            model_parallel({"d2/kernel": (None, "model")}, shape=(1, 8)), _odd_model()
+        )
 
 
 def _odd_model():
@@ -139,7 +151,9 @@ def _odd_model():
 
 
 def test_variable_matched_by_two_keys(model):
-    with pytest.raises(ShardingError, match="'d1/kernel' is matched by 2 LayoutMap keys"):
+    with pytest.raises(
+        ShardingError, match="'d1/kernel' is matched by 2 LayoutMap keys"
+    ):
         resolve(
             model_parallel({"d1/.*": (None, "model"), ".*/kernel": (None, None)}), model
         )
@@ -165,7 +179,9 @@ def test_output_suffix_matching_two_layers():
 
     model = Net(name="net")
     model(np.zeros((2, 16), "float32"))
-    with pytest.raises(ShardingError, match="'d2/output' matches 2 layers by path suffix"):
+    with pytest.raises(
+        ShardingError, match="'d2/output' matches 2 layers by path suffix"
+    ):
         resolve(model_parallel({"d2/output": ("data", None)}), model)
     # The full path names one of them.
     plan = resolve(model_parallel({"net/block/d2/output": ("data", None)}), model)

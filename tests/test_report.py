@@ -48,7 +48,9 @@ def test_describe_needs_a_distribution_and_a_built_model():
             return self.dense(x)
 
     with pytest.raises(ValueError, match="is not built"):
-        keras_parallel.describe(Lazy(), keras.distribution.DataParallel(devices=DEVICES[:1]))
+        keras_parallel.describe(
+            Lazy(), keras.distribution.DataParallel(devices=DEVICES[:1])
+        )
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX devices")

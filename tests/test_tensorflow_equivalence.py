@@ -111,8 +111,15 @@ def _pair(n, num_devices, batch_size=64, epochs=1, batchnorm=False):
     _compile(model, _distribution(num_devices))
     logs = BatchLogs(), BatchLogs()
     histories = [
-        m.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
-              verbose=0, callbacks=[cb]).history
+        m.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[cb],
+        ).history
         for m, cb in zip((reference, model), logs)
     ]
     return reference, model, histories, logs
@@ -201,7 +208,9 @@ def test_model_built_and_trained_before_the_distribution():
     history = model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     expected = reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert optimizer.iterations.numpy() == 32
-    assert isinstance(model.get_layer("d1").kernel._value, tf.distribute.DistributedValues)
+    assert isinstance(
+        model.get_layer("d1").kernel._value, tf.distribute.DistributedValues
+    )
     assert _rel_diff(model, reference) < 1e-4
     _assert_history(history.history, expected.history)
 
@@ -231,7 +240,9 @@ def test_sharding_callback_on_a_plain_model():
         x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[callback]
     )
     expected = reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    assert isinstance(model.get_layer("d1").kernel._value, tf.distribute.DistributedValues)
+    assert isinstance(
+        model.get_layer("d1").kernel._value, tf.distribute.DistributedValues
+    )
     assert _rel_diff(model, reference) < 1e-4
     _assert_history(history.history, expected.history)
 
@@ -246,7 +257,9 @@ def test_on_batch_entry_points():
     expected = reference.train_on_batch(x, y, return_dict=True)
     assert logs == pytest.approx(expected, rel=1e-5)
     assert _rel_diff(model, reference) < 1e-5
-    assert model.test_on_batch(x, y) == pytest.approx(reference.test_on_batch(x, y), rel=1e-5)
+    assert model.test_on_batch(x, y) == pytest.approx(
+        reference.test_on_batch(x, y), rel=1e-5
+    )
     np.testing.assert_allclose(
         model.predict_on_batch(x), reference.predict_on_batch(x), rtol=1e-5, atol=1e-6
     )

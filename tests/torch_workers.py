@@ -88,9 +88,7 @@ def train(
 
     x, y = make_data(n)
     callbacks = []
-    model = make_model(
-        distributed=distributed and door == "mixin", batchnorm=batchnorm
-    )
+    model = make_model(distributed=distributed and door == "mixin", batchnorm=batchnorm)
     distribution = None
     if distributed:
         distribution = keras_parallel.DataParallel(sync_batchnorm=sync_batchnorm)
@@ -117,9 +115,7 @@ def train(
         dataset = torch.utils.data.TensorDataset(
             torch.from_numpy(x), torch.from_numpy(y)
         )
-        data = {
-            "x": torch.utils.data.DataLoader(dataset, batch_size=batch_size)
-        }
+        data = {"x": torch.utils.data.DataLoader(dataset, batch_size=batch_size)}
     elif data_kind == "pydataset":
         data = {"x": _ArraySequence(x, y, batch_size)}
     fit_kwargs = {}
@@ -136,7 +132,9 @@ def train(
         callbacks=callbacks,
         **fit_kwargs,
     )
-    evaluation = model.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+    evaluation = model.evaluate(
+        x, y, batch_size=batch_size, verbose=0, return_dict=True
+    )
     predictions = model.predict(x[:203], batch_size=batch_size, verbose=0)
     return {
         "weights": weights_of(model),
@@ -193,7 +191,11 @@ def count_samples(epochs=2, n=1003, batch_size=64, shuffle=True):
     model = Counting(inputs=[inputs, id_input], outputs=outputs)
     _compile(model, keras_parallel.DataParallel())
     model.fit(
-        (x, ids[:, None]), y, batch_size=batch_size, epochs=epochs, shuffle=shuffle,
+        (x, ids[:, None]),
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=shuffle,
         verbose=0,
     )
     return [s.tolist() for s in seen]
@@ -320,9 +322,7 @@ def chief_writes(directory):
             verbose=2,
             callbacks=[
                 keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
-                keras.callbacks.ModelCheckpoint(
-                    os.path.join(directory, "model.keras")
-                ),
+                keras.callbacks.ModelCheckpoint(os.path.join(directory, "model.keras")),
             ],
         )
         model.save(os.path.join(directory, "model.keras"))

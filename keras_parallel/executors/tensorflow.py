@@ -134,9 +134,7 @@ class TensorFlowExecutor(Executor):
     def _strategy_for(self, devices):
         devices = tuple(devices)
         if self.strategy is None or devices != self._devices:
-            self.strategy = tf_exact.strategy_for(
-                [_tf_device_name(d) for d in devices]
-            )
+            self.strategy = tf_exact.strategy_for([_tf_device_name(d) for d in devices])
             self._devices = devices
         return self.strategy
 
