@@ -54,6 +54,9 @@ CASES = {
     "pydataset": dict(data_kind="pydataset", steps=None),
     "step_logs": dict(steps=None, record_step_logs=True),
     "callback_step_logs": dict(door="callback", steps=None, record_step_logs=True),
+    "plateau": dict(
+        epochs=12, n=256, with_validation=True, decide_on_plateau=True, shuffle=True
+    ),
 }
 TOLERANCE = {
     "one_step": 1e-5,
@@ -181,6 +184,16 @@ def test_step_logs_are_global_when_a_callback_reads_them(two_ranks, single, name
         for mine, theirs in zip(result["step_logs"], reference):
             for key, value in theirs.items():
                 assert mine[key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_early_stopping_and_lr_schedule_decide_as_one_process(two_ranks, single):
+    # ReduceLROnPlateau and EarlyStopping read val_loss; the weights (checked
+    # for every case above) equal one process's only if the LR was cut at
+    # the same epochs, and the run stops at the same epoch on every rank.
+    epochs = len(single["plateau"]["history"]["loss"])
+    assert epochs < 12, "EarlyStopping never fired: the test proves nothing"
+    for result in two_ranks["plateau"]:
+        assert len(result["history"]["loss"]) == epochs
 
 
 def test_predict_equals_single_process_in_input_order(two_ranks, single):

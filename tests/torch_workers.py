@@ -75,6 +75,7 @@ def train(
     with_validation=False,
     data_kind="numpy",
     record_step_logs=False,
+    decide_on_plateau=False,
 ):
     """Fits the small model; returns weights, history and rank info.
 
@@ -102,6 +103,18 @@ def train(
                 step_logs.append({k: float(v) for k, v in logs.items()})
 
         callbacks.append(StepLogs())
+    if decide_on_plateau:
+        # Decisions from epoch logs: the same on every rank, and the same as
+        # in one process, only if the logs are global.
+        keras = _keras()
+        callbacks += [
+            keras.callbacks.ReduceLROnPlateau(
+                monitor="val_loss", factor=0.5, patience=0, min_delta=5e-3
+            ),
+            keras.callbacks.EarlyStopping(
+                monitor="val_loss", patience=1, min_delta=5e-3
+            ),
+        ]
     if door == "mixin":
         _compile(model, distribution)
     else:
