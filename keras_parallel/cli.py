@@ -55,9 +55,9 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         # Everything after `launch` is torchrun's: argparse must not touch it.
-        from keras_parallel import launcher
+        from keras_parallel import launch_cli
 
-        return launcher.main(argv[1:])
+        return launch_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="keras-parallel", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(

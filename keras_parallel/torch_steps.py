@@ -41,61 +41,7 @@ import torch.distributed as dist
 from keras.src import tree
 
 from keras_parallel import torch_group
-
-
-def split_rows(rows, world_size, rank):
-    """The rows of a global batch that one rank computes.
-
-    Args:
-        rows: the global batch size `B`.
-        world_size: the number of ranks `W`.
-        rank: this rank.
-
-    Returns:
-        `(start, stop, whole)`: the row range, and whether every rank
-        computes the whole batch (`B < W`).
-
-    Example:
-
-    >>> split_rows(43, 2, 1)
-    (22, 43, False)
-    """
-    if rows < world_size:
-        return 0, rows, True
-    base, extra = divmod(rows, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0), False
-
-
-def batch_rows(data):
-    """The number of rows of a batch: the first dimension of its first input."""
-    for leaf in tree.flatten(data):
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape):
-            return int(shape[0])
-    return None
-
-
-def slice_rows(data, rows, start, stop):
-    """Every array of `data` with `rows` rows, cut to `[start, stop)`."""
-
-    def cut(leaf):
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape) and int(shape[0]) == rows:
-            return leaf[start:stop]
-        return leaf
-
-    return tree.map_structure(cut, data)
-
-
-def checksum(data):
-    """A float64 sum of the first input of a batch (cheap data identity)."""
-    for leaf in tree.flatten(data):
-        if isinstance(leaf, torch.Tensor):
-            return float(leaf.detach().sum(dtype=torch.float64))
-        if isinstance(leaf, np.ndarray) and leaf.dtype != object:
-            return float(np.sum(leaf, dtype=np.float64))
-    return 0.0
+from keras_parallel.torch_batches import batch_rows, checksum, slice_rows, split_rows
 
 
 class DDPModule(torch.nn.Module):

@@ -131,7 +131,7 @@ def test_mesh_larger_than_process_group_is_refused():
 
 
 def test_split_rows_covers_every_row_once():
-    from keras_parallel.torch_steps import split_rows
+    from keras_parallel.torch_batches import split_rows
 
     assert split_rows(43, 2, 0) == (0, 22, False)
     assert split_rows(43, 2, 1) == (22, 43, False)

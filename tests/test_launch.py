@@ -92,7 +92,9 @@ def test_bad_num_processes():
     ],
 )
 def test_cli_passes_torchrun_options(argv, expected):
-    assert _launch()._torchrun_args(argv) == expected
+    from keras_parallel import launch_cli
+
+    assert launch_cli._torchrun_args(argv) == expected
 
 
 SCRIPT = textwrap.dedent(
