@@ -348,3 +348,16 @@ def test_fit_prints_the_plan_once_when_verbose(capsys):
     out = capsys.readouterr().out
     assert out.count("Sharding plan of 'net'") == 1
     assert "d1/kernel" in out
+
+
+def test_step_state_is_not_walked_for_tracking():
+    # Keras sets `_jax_state` after every step; walking it for variables to
+    # track cost ~1 ms a step. It holds arrays only.
+    model = dense_model(Net)
+
+    def refuse(value):
+        raise AssertionError("tracked")
+
+    model._tracker.track = refuse
+    model._jax_state = {"trainable_variables": [np.zeros(2)]}
+    assert model._jax_state["trainable_variables"][0].shape == (2,)
