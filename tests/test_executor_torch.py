@@ -52,6 +52,7 @@ CASES = {
     "bn_sync_one_step": dict(steps=1, batchnorm=True, sync_batchnorm=True),
     "dataloader": dict(data_kind="dataloader", steps=None),
     "pydataset": dict(data_kind="pydataset", steps=None),
+    "tf_data": dict(data_kind="tf_data", steps=None),
     "step_logs": dict(steps=None, record_step_logs=True),
     "callback_step_logs": dict(door="callback", steps=None, record_step_logs=True),
     "plateau": dict(
@@ -163,7 +164,8 @@ def test_training_moved_the_weights(two_ranks, single):
 
 
 @pytest.mark.parametrize(
-    "name", ["uneven_epoch", "two_epochs_shuffled", "dataloader", "pydataset"]
+    "name",
+    ["uneven_epoch", "two_epochs_shuffled", "dataloader", "pydataset", "tf_data"],
 )
 def test_logs_equal_single_process(two_ranks, single, name):
     for result in two_ranks[name]:

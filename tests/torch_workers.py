@@ -129,6 +129,10 @@ def train(
             torch.from_numpy(x), torch.from_numpy(y)
         )
         data = {"x": torch.utils.data.DataLoader(dataset, batch_size=batch_size)}
+    elif data_kind == "tf_data":
+        import tensorflow as tf
+
+        data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)}
     elif data_kind == "pydataset":
         data = {"x": _ArraySequence(x, y, batch_size)}
     fit_kwargs = {}
