@@ -11,9 +11,7 @@ pytestmark = pytest.mark.skipif(
 
 if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
-    import tf_devices
-
-    tf_devices.setup()
+    import tf_devices  # conftest split the CPU into logical devices
 
 import keras_parallel  # noqa: E402
 

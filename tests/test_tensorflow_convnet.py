@@ -9,9 +9,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 if keras.backend.backend() == "tensorflow":
-    import tf_devices
-
-    tf_devices.setup()
+    import tf_devices  # conftest split the CPU into logical devices
 
 import keras_parallel  # noqa: E402
 from keras_parallel import demo  # noqa: E402

@@ -1,12 +1,13 @@
 """Logical CPU devices for the TensorFlow tests.
 
 TensorFlow fixes its devices when its runtime starts, once per process, so
-the CPU is split here, before any test runs TensorFlow: every TensorFlow test
-module calls `setup()` when it is imported (pytest imports all modules before
-running the first test). Four devices serve every test: a test that wants two
-builds its `DataParallel` over `devices(2)`.
+the CPU is split once, before any test module imports TensorFlow:
+`tests/conftest.py` calls `setup()` on the tensorflow backend. Four devices
+serve every test: a test that wants two builds its `DataParallel` over
+`devices(2)`.
 
-Only TensorFlow test modules import this file, after checking the backend.
+Only conftest and the TensorFlow test modules import this file, after
+checking the backend.
 """
 
 from keras_parallel.executors.tf_devices import split_cpu
