@@ -3,15 +3,15 @@
 Speed: `DistributedModel` DataParallel `fit` against the hand-written `jax.jit`
 loop of the Keras guide "Multi-GPU distributed training with JAX" (same
 convnet, same optimizer and loss, `training=True`, same 8 devices and global
-batches), interleaved round by round, printing time per sample and the ratio
-fit / loop (target: at most 1.00).
+batches), interleaved A B B A in every round, printing time per sample and
+the median over rounds of the ratio fit / loop (target: at most 1.00).
 
 Memory: under ModelParallel with every large kernel split over a `model` axis
 of 8, the bytes per device of model plus optimizer variables, as `describe()`
 reports them and as the arrays' own shards confirm, against 1/8 of the total
 plus the replicated small variables.
 
-Run: `python benchmarks/bench_jax.py [--rounds 5] [--epochs 3]`.
+Run: `python benchmarks/bench_jax.py [--rounds 8] [--epochs 1] [--batches 64 512]`.
 """
 
 import argparse
@@ -106,7 +106,7 @@ class GuideLoop:
                 yb = self.y[start : start + self.batch_size]
                 loss_value, self.state = self.train_step(self.state, xb, yb)
                 if self.one_step_at_a_time:
-                    jax.block_until_ready(loss_value)
+                    loss_value.block_until_ready()
         jax.block_until_ready(loss_value)
 
 
@@ -153,20 +153,29 @@ def speed(batch_size, rounds, epochs):
     }
     for runner in runners.values():
         runner.epochs(1)  # compile
+    pairs = (("fit", "loop"), ("keras_1", "loop_1"))
     times = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, runner in runners.items():
-            times[name].append(timed(runner, epochs) / (epochs * len(x)))
+    ratios = {pair: [] for pair in pairs}
+    for round_index in range(rounds):
+        for pair in pairs:
+            # A B B A, with A and B swapped every other round: the machine's
+            # drift within a round cancels, and neither runner always goes
+            # first or always follows the other (whose after-effects, caches,
+            # allocator, XLA's threads, it would otherwise inherit).
+            a, b = pair if round_index % 2 else pair[::-1]
+            run = {a: 0.0, b: 0.0}
+            for name in (a, b, b, a):
+                seconds = timed(runners[name], epochs) / (epochs * len(x))
+                times[name].append(seconds)
+                run[name] += seconds
+            ratios[pair].append(run[pair[0]] / run[pair[1]])
     median = {name: statistics.median(t) * 1e6 for name, t in times.items()}
-    # Ratios of the runs of one round, then their median: the machine's
-    # drift between rounds cancels out.
-    ratio = statistics.median(f / lp for f, lp in zip(times["fit"], times["loop"]))
-    keras_ratio = statistics.median(
-        k / lp for k, lp in zip(times["keras_1"], times["loop_1"])
-    )
+    ratio = statistics.median(ratios[pairs[0]])
+    keras_ratio = statistics.median(ratios[pairs[1]])
     print(
         f"batch {batch_size:4d}: loop {median['loop']:7.1f} us/sample, fit "
-        f"{median['fit']:7.1f} us/sample, ratio fit/loop {ratio:.3f}  |  one "
+        f"{median['fit']:7.1f} us/sample, ratio fit/loop {ratio:.3f} (rounds "
+        f"{min(ratios[pairs[0]]):.3f} to {max(ratios[pairs[0]]):.3f})  |  one "
         f"device, no keras_parallel: loop {median['loop_1']:7.1f}, Keras fit "
         f"{median['keras_1']:7.1f}, ratio {keras_ratio:.3f}"
     )
@@ -214,8 +223,8 @@ def memory():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 512])
     args = parser.parse_args()
     print(

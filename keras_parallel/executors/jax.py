@@ -149,7 +149,9 @@ class JaxExecutor(Executor):
         # alike). Waiting for each step costs nothing measurable on a CPU,
         # which computes synchronously anyway; accelerators are untouched.
         def one_step_at_a_time(*args, **kwargs):
-            return jax.block_until_ready(function(*args, **kwargs))
+            outputs = function(*args, **kwargs)
+            _wait_for_step(outputs)
+            return outputs
 
         return one_step_at_a_time
 
@@ -169,6 +171,24 @@ class JaxExecutor(Executor):
     @property
     def process_index(self):
         return jax.process_index()
+
+
+def _wait_for_step(outputs):
+    """Waits until the step that made `outputs` has finished on every device.
+
+    One output array is enough: an array on the mesh has a shard on each of
+    its devices, and a device's outputs are all ready once its part of the
+    step is. The first one is the step's logs (or predictions), which the
+    step computes, never an input passed through. Waiting on all ~50
+    outputs instead (`jax.block_until_ready(outputs)`) cost 0.3 to 0.5 ms
+    of host CPU per step here, 1 to 2 % of a step of the guide's convnet at
+    batch 64 (benchmarks/bench_jax.py): the guide's loop waits on its loss
+    alone.
+    """
+    for leaf in jax.tree_util.tree_leaves(outputs):
+        if isinstance(leaf, jax.Array):
+            leaf.block_until_ready()
+            return
 
 
 def _optimizer_and_metric_variables(model):
