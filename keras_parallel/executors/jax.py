@@ -232,8 +232,10 @@ def _jit_without_donation(function, *args, donate_argnums=None, **kwargs):
 
     Keras donates the state to its compiled step so that an accelerator
     holds one copy of the variables, not two. On XLA:CPU, over several
-    devices, donation made the guide's convnet step 2 to 4 % slower here
-    (benchmarks/bench_jax.py; the guide's own loop does not donate), and the
-    copy it saves lives in host memory. Accelerators keep Keras's donation.
+    devices, the donated step of the guide's convnet was 4.5 to 5.4 % slower
+    at batch 512 here (at batch 64 the whole `fit` was faster donated, as it
+    frees no state per step; docs/benchmarks.md), and the copy it saves
+    lives in host memory. The guide's own loop does not donate.
+    Accelerators keep Keras's donation.
     """
     return _keras_jit(function, *args, **kwargs)

@@ -12,10 +12,9 @@ same global batches; this executor supplies only what it needs:
   `keras_parallel.torch_steps` (slice of each global batch, forward through
   DDP, global metrics, gathered predictions) and the choice of when metrics
   are made global (`keras_parallel.torch_step_logs`), silences the progress
-  bar and
-  file-writing callbacks on ranks other than 0, gives every rank rank 0's
-  random state (one shuffle for all), and, with `sync_batchnorm`, makes
-  BatchNorm use global batch statistics.
+  bar and file-writing callbacks on ranks other than 0, gives every rank
+  rank 0's random state (one shuffle for all), and, with `sync_batchnorm`,
+  makes BatchNorm use global batch statistics.
 - the collectives, over `torch.distributed`, doing nothing in one process.
 
 In a single process with no process group (no `torchrun`), `DataParallel()`
