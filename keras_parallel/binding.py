@@ -8,29 +8,9 @@ Neither door holds logic the other lacks.
 
 import contextlib
 
-import numpy as np
-from keras.src.distribution.distribution_lib import Distribution
-
 from keras_parallel import report
-from keras_parallel.errors import ShardingError
-from keras_parallel.executors import executor_class
-from keras_parallel.plan import resolve_plan, variables_signature
-
-
-def check_distribution(distribution, argument="distribution"):
-    """Refuses anything but a `keras.distribution.Distribution`.
-
-    Raises:
-        ShardingError: naming the argument and what it received.
-    """
-    if not isinstance(distribution, Distribution):
-        raise ShardingError(
-            f"`{argument}` must be a keras.distribution.Distribution such as "
-            "keras_parallel.DataParallel() or keras.distribution.ModelParallel"
-            f"(layout_map=...). Received: {argument}={distribution!r} (of type "
-            f"{type(distribution).__name__}); pass a distribution, or None for "
-            "one device."
-        )
+from keras_parallel.backends import executor_class, resolve_plan_for
+from keras_parallel.plan import check_distribution, variables_signature
 
 
 class Binding:
@@ -60,13 +40,7 @@ class Binding:
 
     def resolve(self, model):
         """The plan for `model` as it is now, validated, applied to nothing."""
-        mesh_devices = np.asarray(self.distribution.device_mesh.devices).flat
-        return resolve_plan(
-            self.distribution,
-            model,
-            device_names=self.executor.device_names(list(mesh_devices)),
-            available_devices=self.executor.list_devices(),
-        )
+        return resolve_plan_for(self.distribution, model, self.executor)
 
     def prepare(self, model):
         """Plans and applies the distribution if the model's variables changed.

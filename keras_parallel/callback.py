@@ -1,9 +1,9 @@
 """`ShardingCallback`: a distribution for a model you cannot subclass."""
 
 import keras
-from keras.src.utils import io_utils
 
 from keras_parallel.binding import Binding
+from keras_parallel.keras_compat import print_msg
 
 _PHASES = ("train", "test", "predict")
 
@@ -81,7 +81,7 @@ class ShardingCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._begin("train")
         if self.params.get("verbose", 1) != 0:
-            self.binding.announce(self.model, io_utils.print_msg)
+            self.binding.announce(self.model, print_msg)
 
     def on_train_end(self, logs=None):
         self._end("train")

@@ -32,7 +32,7 @@ def _demo(args):
             + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
     from keras_parallel import demo
-    from keras_parallel.executors import executor_class
+    from keras_parallel.backends import executor_class
 
     # A partial of a module-level function: picklable, so a backend may run
     # it in processes it starts (torch: one per device).
@@ -55,7 +55,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         # Everything after `launch` is torchrun's: argparse must not touch it.
-        from keras_parallel import launch_cli
+        from keras_parallel.launcher import cli as launch_cli
 
         return launch_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="keras-parallel", description=__doc__)

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_parallel.executors import executor_class
+from keras_parallel.backends import executor_class
 
 
 class DataParallel(keras.distribution.DataParallel):

@@ -15,3 +15,12 @@ class ShardingError(ValueError):
 
 class UnmatchedLayoutKeyWarning(UserWarning):
     """A `LayoutMap` key that matches no variable and no layer output."""
+
+
+class UnsupportedKerasError(ImportError):
+    """The installed Keras lacks an internal keras_parallel relies on.
+
+    Raised when a backend's executor is first imported, naming the Keras
+    version found, the internal it lacks and the supported range; see
+    `keras_parallel.keras_compat`.
+    """

@@ -1,8 +1,7 @@
 """`DistributedModel`: `compile(..., distribution=...)` for any Keras model."""
 
-from keras.src.utils import io_utils
-
 from keras_parallel.binding import Binding
+from keras_parallel.keras_compat import print_msg
 
 _ENTRY_POINTS = (
     "fit",
@@ -96,7 +95,7 @@ class DistributedModel:
             binding.prepare(self)
             if kind == "train" and getattr(self, "_kp_announce", False):
                 self._kp_announce = False
-                binding.announce(self, io_utils.print_msg)
+                binding.announce(self, print_msg)
             made = getattr(self, "_kp_made", None)
             if made is None:
                 made = self._kp_made = {}

@@ -123,6 +123,24 @@ class ShardingPlan:
         return None
 
 
+def check_distribution(distribution, argument="distribution"):
+    """Refuses anything but a `keras.distribution.Distribution`.
+
+    Raises:
+        ShardingError: naming the argument and what it received.
+    """
+    from keras_parallel.keras_compat import Distribution
+
+    if not isinstance(distribution, Distribution):
+        raise ShardingError(
+            f"`{argument}` must be a keras.distribution.Distribution such as "
+            "keras_parallel.DataParallel() or keras.distribution.ModelParallel"
+            f"(layout_map=...). Received: {argument}={distribution!r} (of type "
+            f"{type(distribution).__name__}); pass a distribution, or None for "
+            "one device."
+        )
+
+
 def resolve_plan(distribution, model, device_names=None, available_devices=None):
     """Resolves and validates the sharding plan of a model.
 

@@ -27,9 +27,14 @@ def describe(model, distribution=None):
     ...               distribution=keras_parallel.DataParallel())
     >>> print(keras_parallel.describe(model))
     """
-    from keras_parallel.binding import Binding
+    from keras_parallel.backends import resolve_plan_for
+    from keras_parallel.plan import check_distribution
 
-    binding = getattr(model, "_kp_binding", None)
+    # A DistributedModel holds its binding; a ShardingCallback leaves its
+    # own on the model it ran.
+    binding = getattr(model, "_kp_binding", None) or getattr(
+        model, "_kp_callback_binding", None
+    )
     if distribution is None and binding is None:
         raise ValueError(
             f"Model {model.name!r} has no distribution to describe. Received: "
@@ -46,7 +51,8 @@ def describe(model, distribution=None):
     if distribution is None:
         plan = binding.plan if binding.plan is not None else binding.resolve(model)
     else:
-        plan = Binding(distribution).resolve(model)
+        check_distribution(distribution)
+        plan = resolve_plan_for(distribution, model)
     return format_plan(plan, model.name)
 
 

@@ -16,6 +16,7 @@ def test_digits_are_upsampled_to_mnist_shape():
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX: 8 simulated devices")
+@pytest.mark.slow
 def test_convnet_reaches_ninety_percent_under_data_parallel_on_eight_devices():
     assert len(keras_parallel_devices()) == 8
     assert demo.run(verbose=0) >= 0.90

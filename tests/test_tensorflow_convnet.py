@@ -25,6 +25,7 @@ class Net(keras_parallel.DistributedModel, keras.Model):
     pass
 
 
+@pytest.mark.slow
 def test_guide_convnet_reaches_90_percent_on_digits():
     keras.utils.set_random_seed(1)
     (x_train, y_train), (x_test, y_test) = demo.load_digits_28()

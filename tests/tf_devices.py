@@ -10,7 +10,7 @@ Only conftest and the TensorFlow test modules import this file, after
 checking the backend.
 """
 
-from keras_parallel.executors.tf_devices import split_cpu
+from keras_parallel.backends.tensorflow.devices import split_cpu
 
 NUM_DEVICES = 4
 

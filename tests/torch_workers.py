@@ -256,7 +256,7 @@ def digits_accuracy(epochs=12, batch_size=32):
 
 def rank_info():
     import keras_parallel
-    from keras_parallel.executors import executor_class
+    from keras_parallel.backends import executor_class
 
     devices = keras_parallel.DataParallel().device_mesh.devices.tolist()
     executor = executor_class()(keras_parallel.DataParallel())

@@ -58,7 +58,7 @@ def test_data_parallel_spans_all_logical_cpus():
         pytest.skip("with GPUs, DataParallel() spans the GPUs")
     distribution = keras_parallel.DataParallel()
     assert list(distribution.device_mesh.devices) == tf_devices.devices(4)
-    executor_cls = keras_parallel.executors.executor_class()
+    executor_cls = keras_parallel.backends.executor_class()
     assert executor_cls.list_devices() == tf_devices.devices(4)
 
 
@@ -72,7 +72,7 @@ def test_data_parallel_spans_all_logical_cpus():
     ],
 )
 def test_device_names_normalize(name, expected):
-    from keras_parallel.executors.tensorflow import TensorFlowExecutor
+    from keras_parallel.backends.tensorflow.executor import TensorFlowExecutor
 
     executor = TensorFlowExecutor(
         keras_parallel.DataParallel(devices=tf_devices.devices(2))
@@ -138,7 +138,8 @@ def test_release_returns_the_model_to_one_device():
 
 
 def test_metric_state_survives_the_move():
-    from keras_parallel.executors import tf_exact, tf_variables
+    from keras_parallel.backends.tensorflow import exact as tf_exact
+    from keras_parallel.backends.tensorflow import variables as tf_variables
 
     x, y = _data()
     model = _model()
@@ -165,7 +166,7 @@ def test_metric_state_survives_the_move():
 
 
 def test_demo_main_splits_the_cpu_then_runs():
-    from keras_parallel.executors.tensorflow import TensorFlowExecutor
+    from keras_parallel.backends.tensorflow.executor import TensorFlowExecutor
 
     # The runtime already runs with 4 devices: asking for 4 or fewer is a
     # no-op, asking for more is a clear error.

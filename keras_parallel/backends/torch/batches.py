@@ -7,7 +7,8 @@ that lets the ranks check they are looking at the same batch.
 
 import numpy as np
 import torch
-from keras.src import tree
+
+from keras_parallel.backends.torch.keras_compat import tree
 
 
 def split_rows(rows, world_size, rank):

@@ -9,9 +9,9 @@ same global batches; this executor supplies only what it needs:
   (which broadcasts rank 0's weights), folds the rank into the dropout seed
   states, and makes `model.save` write on rank 0 only.
 - `scope`: while an entry point runs, installs the per-rank steps of
-  `keras_parallel.torch_steps` (slice of each global batch, forward through
+  `keras_parallel.backends.torch.steps` (slice of each global batch, forward through
   DDP, global metrics, gathered predictions) and the choice of when metrics
-  are made global (`keras_parallel.torch_step_logs`), silences the progress
+  are made global (`keras_parallel.backends.torch.step_logs`), silences the progress
   bar and file-writing callbacks on ranks other than 0, gives every rank
   rank 0's random state (one shuffle for all), and, with `sync_batchnorm`,
   makes BatchNorm use global batch statistics.
@@ -28,16 +28,16 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
-from keras.src.backend.torch import trainer as keras_torch_trainer
-from keras.src.utils import io_utils
 
-from keras_parallel import torch_group
+from keras_parallel.backends.base import Executor
+from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.backends.torch.keras_compat import TorchTrainer
+from keras_parallel.backends.torch.step_logs import StepLogPolicy
+from keras_parallel.backends.torch.steps import DDPModule, RankSteps
+from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
 from keras_parallel.errors import ShardingError
-from keras_parallel.executors.base import Executor
-from keras_parallel.torch_chief import ChiefOnlyCallbacks, chief_only_saving
-from keras_parallel.torch_step_logs import StepLogPolicy
-from keras_parallel.torch_steps import DDPModule, RankSteps
-from keras_parallel.torch_sync_bn import SyncBatchNorm
+from keras_parallel.keras_compat import print_msg
 
 _SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
 
@@ -48,7 +48,7 @@ def keras_wraps_ddp():
     Keras's development branch does (`TorchTrainer._setup_ddp`); then this
     executor must not wrap it a second time.
     """
-    return any("ddp" in name.lower() for name in dir(keras_torch_trainer.TorchTrainer))
+    return any("ddp" in name.lower() for name in dir(TorchTrainer))
 
 
 class TorchExecutor(Executor):
@@ -93,7 +93,7 @@ class TorchExecutor(Executor):
         """
         if torch_group.env_world_size() > 1 or torch_group.is_distributed():
             return run()
-        from keras_parallel.launcher import launch
+        from keras_parallel.launcher.processes import launch
 
         if torch.cuda.is_available():
             num_devices = torch.cuda.device_count()
@@ -131,7 +131,7 @@ class TorchExecutor(Executor):
         if self.num_processes == 1:
             if not self._announced_single:
                 self._announced_single = True
-                io_utils.print_msg(
+                print_msg(
                     "keras_parallel: one process and no torch process group, "
                     "so DataParallel trains on one device. Start several "
                     "processes with `torchrun` or `keras-parallel launch`."

@@ -42,7 +42,7 @@ def _step_over_eight_devices():
 
 
 def test_cpu_step_returns_once_every_device_has_finished():
-    from keras_parallel.executors.jax import JaxExecutor
+    from keras_parallel.backends.jax.executor import JaxExecutor
 
     distribution, step, state, batch = _step_over_eight_devices()
     wrapped = JaxExecutor(distribution).wrap_step(step)
@@ -55,7 +55,7 @@ def test_cpu_step_returns_once_every_device_has_finished():
 
 
 def test_step_outputs_are_handed_back_unchanged():
-    from keras_parallel.executors.jax import JaxExecutor
+    from keras_parallel.backends.jax.executor import JaxExecutor
 
     distribution, step, state, batch = _step_over_eight_devices()
     expected_logs, expected_state = step(state, batch)

@@ -7,7 +7,7 @@ process group:
 - `torchrun --nproc-per-node N train.py` runs an unchanged script;
 - `keras-parallel launch --nproc N train.py [args]` is `torchrun` itself
   (`torch.distributed.run`), so its restart and rendezvous options work
-  (`keras_parallel.launch_cli`);
+  (`keras_parallel.launcher.cli`);
 - `launch(fn, num_processes=N)` from Python or a notebook, below.
 
 `launch` hosts the rendezvous store in the calling process, as torchrun's
@@ -178,7 +178,7 @@ def _child(fn, args, rank, env, threads, results):
 
 
 def _describe(error):
-    from keras_parallel.torch_group import PeerFailedError, publish_failure
+    from keras_parallel.backends.torch.group import PeerFailedError, publish_failure
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -203,7 +203,7 @@ def _describe(error):
 
 def _teardown_child():
     try:
-        from keras_parallel import torch_group
+        from keras_parallel.backends.torch import group as torch_group
 
         torch_group.teardown()
         import torch.distributed as dist

@@ -1,7 +1,7 @@
 """`keras_parallel.launch` (module `launcher`): processes started on torch.distributed.
 
 `launch()` is tested with trivial functions (no model) so that the process
-machinery is tested apart from DDP; `tests/test_executor_torch.py` runs
+machinery is tested apart from DDP; `tests/test_torch_executor.py` runs
 training through it. The CLI is tested through its torchrun arguments and
 one end-to-end run of a small script.
 """
@@ -26,7 +26,7 @@ import torch_workers as workers  # noqa: E402
 
 
 def _launch():
-    from keras_parallel import launcher
+    from keras_parallel.launcher import processes as launcher
 
     return launcher
 
@@ -92,7 +92,7 @@ def test_bad_num_processes():
     ],
 )
 def test_cli_passes_torchrun_options(argv, expected):
-    from keras_parallel import launch_cli
+    from keras_parallel.launcher import cli as launch_cli
 
     assert launch_cli._torchrun_args(argv) == expected
 

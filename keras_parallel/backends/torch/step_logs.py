@@ -16,8 +16,8 @@ silenced.
 """
 
 from keras import callbacks as keras_callbacks
-from keras.src.callbacks.callback_list import CallbackList
-from keras.src.utils.python_utils import is_default
+
+from keras_parallel.backends.torch.keras_compat import CallbackList, is_default
 
 _STEP_HOOKS = ("on_batch_end", "on_train_batch_end", "on_test_batch_end")
 

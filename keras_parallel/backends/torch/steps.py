@@ -38,10 +38,15 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
-from keras.src import tree
 
-from keras_parallel import torch_group
-from keras_parallel.torch_batches import batch_rows, checksum, slice_rows, split_rows
+from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.batches import (
+    batch_rows,
+    checksum,
+    slice_rows,
+    split_rows,
+)
+from keras_parallel.backends.torch.keras_compat import tree
 
 
 class DDPModule(torch.nn.Module):

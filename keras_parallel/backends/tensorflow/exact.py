@@ -38,10 +38,13 @@ import itertools
 import threading
 
 import tensorflow as tf
-from keras.src import tree
-from keras.src.backend.tensorflow import trainer as keras_tf_trainer
-from keras.src.layers.normalization.batch_normalization import BatchNormalization
-from keras.src.losses import loss as keras_loss
+
+from keras_parallel.backends.tensorflow.keras_compat import (
+    BatchNormalization,
+    tree,
+)
+from keras_parallel.backends.tensorflow.keras_compat import loss as keras_loss
+from keras_parallel.backends.tensorflow.keras_compat import trainer as keras_tf_trainer
 
 _replica = threading.local()
 _key_bases = itertools.count(start=100_000, step=100_000)

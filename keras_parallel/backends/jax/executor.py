@@ -21,11 +21,13 @@ import contextlib
 import jax
 import keras
 from keras.distribution import TensorLayout
-from keras.src.backend.jax import distribution_lib as keras_jax_distribution_lib
-from keras.src.backend.jax import trainer as keras_jax_trainer
-from keras.src.distribution.distribution_lib import Distribution
 
-from keras_parallel.executors.base import Executor
+from keras_parallel.backends.base import Executor
+from keras_parallel.backends.jax.keras_compat import (
+    distribution_lib as keras_jax_distribution_lib,
+)
+from keras_parallel.backends.jax.keras_compat import trainer as keras_jax_trainer
+from keras_parallel.keras_compat import Distribution
 from keras_parallel.plan import iter_planned_variables
 
 

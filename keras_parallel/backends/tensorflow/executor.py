@@ -27,9 +27,11 @@ import numpy as np
 import tensorflow as tf
 from keras.distribution import DataParallel
 
+from keras_parallel.backends.base import Executor
+from keras_parallel.backends.tensorflow import devices as tf_devices
+from keras_parallel.backends.tensorflow import exact as tf_exact
+from keras_parallel.backends.tensorflow import variables as tf_variables
 from keras_parallel.errors import ShardingError
-from keras_parallel.executors import tf_devices, tf_exact, tf_variables
-from keras_parallel.executors.base import Executor
 
 
 class TensorFlowExecutor(Executor):

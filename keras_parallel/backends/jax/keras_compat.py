@@ -1,0 +1,26 @@
+"""The Keras internals the JAX backend reads or patches, in one place.
+
+See `keras_parallel.keras_compat` for why and how these are checked.
+Checked against Keras 3.11.3, 3.15.1 and keras-nightly 3.16.0.dev2026102704
+(Keras 3.10 has no `trainer.jit`: its step called `jax.jit` directly).
+"""
+
+from keras_parallel.keras_compat import internal
+
+#: `jit` compiles Keras's step; on CPU devices the executor replaces it, in
+#: scope, by one without buffer donation (`executor._jit_without_donation`).
+trainer = internal("keras.src.backend.jax.trainer", "jit")
+#: `distribute_data_input` lays out each batch; replaced in scope so that a
+#: batch the data axis does not divide is laid out replicated.
+distribution_lib = internal(
+    "keras.src.backend.jax.distribution_lib", "distribute_data_input"
+)
+
+#: Attributes of Keras objects the JAX backend reads or sets.
+OBJECT_ATTRIBUTES = {
+    # The planned layout and the placed value of a variable (`apply`).
+    "keras.Variable": ("_layout", "_value"),
+    # Keras's JAX fit stores its step state here after each step;
+    # DistributedModel stores it untracked (model.py).
+    "keras.Model (after fit)": ("_jax_state",),
+}

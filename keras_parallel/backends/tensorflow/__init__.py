@@ -1,0 +1,8 @@
+"""The TensorFlow backend: `tf.distribute.MirroredStrategy` under Keras's trainer.
+
+- `executor`: `TensorFlowExecutor`, the contract's hooks.
+- `devices`: local devices and logical CPU devices (`split_cpu`).
+- `variables`: re-creating variables under a strategy, values kept.
+- `exact`: exact per-replica loss weighting and global logs.
+- `keras_compat`: every Keras internal this backend reads or patches.
+"""

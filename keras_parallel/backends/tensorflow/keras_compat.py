@@ -1,0 +1,45 @@
+"""The Keras internals the TensorFlow backend reads or patches, in one place.
+
+See `keras_parallel.keras_compat` for why and how these are checked.
+Checked against Keras 3.11.3, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
+"""
+
+from keras_parallel.keras_compat import internal
+
+#: Keras's TensorFlow trainer. Replaced in scope (`exact.patched`):
+#: `reduce_per_replica` (global logs), `TensorFlowTrainer._maybe_symbolic_build`
+#: (a first batch that splits unevenly), `TFEpochIterator._get_iterator`
+#: (the strategy chosen after the iterator was made).
+trainer = internal(
+    "keras.src.backend.tensorflow.trainer",
+    "reduce_per_replica",
+    "TensorFlowTrainer._maybe_symbolic_build",
+    "TFEpochIterator._get_iterator",
+)
+#: Keras's per-replica loss scaling; replaced in scope by exact weights.
+loss = internal(
+    "keras.src.losses.loss",
+    "scale_loss_for_distribution",
+    "unscale_loss_for_distribution",
+)
+#: Keras's nested-structure utilities (flatten / map_structure).
+tree = internal("keras.src.tree", "flatten", "map_structure")
+#: The layer whose batch statistics `exact.synchronized_batchnorm` makes global.
+BatchNormalization = internal(
+    "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
+).BatchNormalization
+
+#: Attributes of Keras objects the TensorFlow backend reads or sets.
+OBJECT_ATTRIBUTES = {
+    # The tf.Variable behind a Keras variable, re-created under the strategy,
+    # and how Keras maps its aggregation and synchronization to TF's.
+    "keras.Variable": ("_value", "_map_aggregation", "_map_synchronization"),
+    # The strategy a model and its optimizer run under, and how the
+    # optimizer keys its slots by variable.
+    "keras.Model": ("_distribute_strategy", "_symbolic_build", "_flatten_layers"),
+    "keras.optimizers.Optimizer": (
+        "_distribution_strategy",
+        "_var_key",
+        "_trainable_variables_indices",
+    ),
+}

@@ -1,0 +1,32 @@
+"""The Keras internals the torch backend reads or patches, in one place.
+
+See `keras_parallel.keras_compat` for why and how these are checked.
+Checked against Keras 3.11.3, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
+"""
+
+from keras_parallel.keras_compat import internal, internal_any
+
+#: Keras's torch trainer class: `TorchTrainer` up to 3.15, `Trainer` in the
+#: development build, which also wraps the model in DDP itself.
+TorchTrainer = internal_any(
+    "keras.src.backend.torch.trainer", "TorchTrainer", "Trainer"
+)
+#: Keras's nested-structure utilities (flatten / map_structure).
+tree = internal("keras.src.tree", "flatten", "map_structure")
+#: `CallbackList.on_train_begin` / `on_test_begin` are replaced in scope to
+#: choose when metrics are made global (`step_logs`).
+CallbackList = internal(
+    "keras.src.callbacks.callback_list",
+    "CallbackList.on_train_begin",
+    "CallbackList.on_test_begin",
+).CallbackList
+#: Whether a callback overrides a hook (`step_logs.reads_step_logs`).
+is_default = internal("keras.src.utils.python_utils", "is_default").is_default
+
+#: Attributes of Keras objects the torch backend reads or sets.
+OBJECT_ATTRIBUTES = {
+    # BatchNormalization's batch statistics, made global by `sync_bn`.
+    "keras.layers.BatchNormalization": ("_moments", "_reduction_axes"),
+    # Model._flatten_layers walks nested layers (sync BN).
+    "keras.Model": ("_flatten_layers",),
+}

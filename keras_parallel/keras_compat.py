@@ -1,0 +1,112 @@
+"""The Keras internals keras_parallel relies on, and the Keras versions it runs on.
+
+keras_parallel reuses Keras's own trainer, so it reads, and while an entry
+point runs patches, a few private names of Keras (`keras.src...`). Those move
+between releases, so every one is listed in one place: this module for those
+every backend shares, `backends/<name>/keras_compat.py` for each backend's
+own. The other modules import Keras internals from these lists only.
+
+Each list is checked when it is imported (the first time a distribution is
+given on that backend), so a Keras that lacks one fails at once with an
+`UnsupportedKerasError` naming the Keras version and the supported range,
+not with an `AttributeError` deep inside a rank. Attributes of Keras objects
+(`variable._value`, ...) cannot be checked before the objects exist; they
+are listed too, and `tests/test_keras_compat.py` checks them on real objects.
+
+Checked against (tox envs `*-oldest`, the default ones and `*-nightly`):
+Keras 3.11.3, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
+"""
+
+import importlib
+
+from keras_parallel.errors import UnsupportedKerasError
+
+#: The Keras releases keras_parallel supports (as in `pyproject.toml`).
+SUPPORTED_KERAS = ">=3.11"
+#: The Keras versions the test matrix runs (`tox.ini`).
+CHECKED_KERAS = ("3.11.3", "3.15.1", "3.16.0.dev2026102704")
+
+
+def keras_version():
+    """The installed Keras version, e.g. `"3.15.1"`."""
+    import keras
+
+    return keras.version()
+
+
+def internal(module_name, *names):
+    """Imports a Keras module after checking that it has every name we use.
+
+    Args:
+        module_name: e.g. `"keras.src.backend.jax.trainer"`.
+        *names: attribute names, dotted for nested ones
+            (`"TFEpochIterator._get_iterator"`).
+
+    Returns:
+        The module.
+
+    Raises:
+        UnsupportedKerasError: the module or one of the names is missing.
+    """
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise _unsupported(module_name) from error
+    for name in names:
+        find(module, name, module_name)
+    return module
+
+
+def internal_any(module_name, *names):
+    """The first of `names` that a Keras module has (a renamed internal).
+
+    Args:
+        module_name: the module.
+        *names: the name in each Keras version, newest last.
+
+    Returns:
+        The attribute's value.
+
+    Raises:
+        UnsupportedKerasError: the module has none of the names.
+    """
+    module = internal(module_name)
+    for name in names:
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise _unsupported(f"{module_name}.{' or '.join(names)}")
+
+
+def find(owner, dotted, where=None):
+    """`owner.a.b` for `dotted="a.b"`, or `UnsupportedKerasError` naming it."""
+    value = owner
+    for part in dotted.split("."):
+        if not hasattr(value, part):
+            raise _unsupported(f"{where or owner!r}.{dotted}")
+        value = getattr(value, part)
+    return value
+
+
+def _unsupported(what):
+    return UnsupportedKerasError(
+        f"keras_parallel needs the Keras internal `{what}`, which the "
+        f"installed Keras does not have. Received: keras=={keras_version()}; "
+        f"keras_parallel supports keras{SUPPORTED_KERAS} (checked with "
+        f"{', '.join(CHECKED_KERAS)}). Install one of those, e.g. "
+        "`pip install keras==3.15.1`."
+    )
+
+
+#: The base class of every distribution (`keras.distribution` exports its
+#: subclasses only).
+Distribution = internal(
+    "keras.src.distribution.distribution_lib", "Distribution"
+).Distribution
+#: Keras's progress printing (respects `keras.config.disable_interactive_logging`).
+print_msg = internal("keras.src.utils.io_utils", "print_msg").print_msg
+
+#: Attributes of Keras objects that keras_parallel reads or sets, by owner.
+OBJECT_ATTRIBUTES = {
+    # Model._flatten_layers walks nested layers (TF executor, sync BN).
+    "keras.Model": ("_flatten_layers",),
+}
