@@ -97,14 +97,24 @@ class Binding:
                 self._scope = None
                 raise
 
-    def exit(self, model):
-        """Leaves what `enter` entered, when the outermost entry point ends."""
+    def exit(self, model, error=None):
+        """Leaves what `enter` entered, when the outermost entry point ends.
+
+        Args:
+            model: the model.
+            error: the exception the entry point is raising, if any. The
+                executor's scope then takes its failure path, which runs no
+                collective: the other processes may never reach one.
+        """
         if self._depth == 0:
             return
         self._depth -= 1
         if self._depth == 0:
             scope, self._scope = self._scope, None
-            scope.close()
+            if error is None:
+                scope.close()
+            else:
+                scope.__exit__(type(error), error, error.__traceback__)
 
     @property
     def active(self):
@@ -116,8 +126,10 @@ class Binding:
         self.enter(model)
         try:
             yield
-        finally:
-            self.exit(model)
+        except BaseException as error:
+            self.exit(model, error)
+            raise
+        self.exit(model)
 
     def release(self, model):
         """Returns the model to one device."""

@@ -133,3 +133,39 @@ def test_bad_distribution_after_a_good_one_returns_to_one_device():
     for a, b in zip(before, weights_of(model)):
         np.testing.assert_array_equal(a, b)
     model.fit(x, y, batch_size=32, verbose=0)
+
+
+def test_an_error_inside_fit_reaches_the_executor_scope_as_an_error(monkeypatch):
+    # The scope's failure path runs no collective; its success path may
+    # (torch syncs BatchNorm statistics), which would hang a failing rank.
+    import contextlib
+
+    model = dense_model(Net)
+    model.compile(
+        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+    )
+    seen = []
+
+    @contextlib.contextmanager
+    def recording_scope(model):
+        try:
+            yield
+        except BaseException as error:
+            seen.append(error)
+            raise
+        seen.append("ended normally")
+
+    monkeypatch.setattr(model._kp_binding.executor, "scope", recording_scope)
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise ValueError("boom")
+
+    x, y = regression_data(256)
+    with pytest.raises(ValueError, match="boom"):
+        model.fit(x, y, batch_size=64, callbacks=[Boom()], verbose=0)
+    assert len(seen) == 1 and isinstance(seen[0], ValueError)
+    model.fit(x, y, batch_size=64, verbose=0)
+    assert seen[1] == "ended normally"
+    assert not model._kp_binding.active

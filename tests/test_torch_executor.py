@@ -244,6 +244,25 @@ def test_failing_rank_is_named_and_run_ends_in_bounded_time():
     assert "PeerFailedError" in peer and "Rank 1 failed" in peer
 
 
+def test_rank_raising_in_a_callback_is_named_within_seconds():
+    # Outside any step, in a model whose BatchNorm statistics are synced
+    # when fit ends normally: the failing rank must not run that collective
+    # while its error unwinds (it hung until the collective timeout).
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="boom on rank 1 at batch 3") as raised:
+        _launch(
+            workers.fail_at,
+            2,
+            args=(3, 1, "callback", True),
+            collective_timeout=60,
+        )
+    assert time.monotonic() - start < 45
+    assert raised.value.rank == 1
+    peer = raised.value.rank_errors[0]
+    assert "PeerFailedError" in peer and "Rank 1 failed" in peer
+    assert "boom on rank 1" in peer
+
+
 # --------------------------------------------------------- four processes
 def test_four_ranks_equal_single_process(single):
     cases = [CASES["ten_steps"], CASES["uneven_epoch"]]

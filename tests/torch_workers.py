@@ -218,8 +218,15 @@ def count_samples(epochs=2, n=1003, batch_size=64, shuffle=True):
     return [s.tolist() for s in seen]
 
 
-def fail_at(step=3, failing_rank=1):
-    """Trains, and rank `failing_rank` raises at train step `step`."""
+def fail_at(step=3, failing_rank=1, where="step", batchnorm=False):
+    """Trains, and rank `failing_rank` raises at train step `step`.
+
+    Args:
+        where: `"step"` raises inside the train step; `"callback"` raises
+            in a callback's `on_train_batch_end`, outside any step.
+        batchnorm: a model with BatchNorm, whose moving statistics the
+            executor synchronises when an entry point ends normally.
+    """
     keras = _keras()
     import keras_parallel
 
@@ -227,10 +234,11 @@ def fail_at(step=3, failing_rank=1):
     x, y = make_data(640)
 
     class Failing(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            pass
+        def on_train_batch_end(self, batch, logs=None):
+            if where == "callback" and rank == failing_rank and batch == step:
+                raise ValueError(f"boom on rank {rank} at batch {batch}")
 
-    model = make_model(distributed=True)
+    model = make_model(distributed=True, batchnorm=batchnorm)
     _compile(model, keras_parallel.DataParallel())
     original = model.train_step
 
@@ -238,7 +246,7 @@ def fail_at(step=3, failing_rank=1):
 
     def train_step(data):
         calls["n"] += 1
-        if rank == failing_rank and calls["n"] == step:
+        if where == "step" and rank == failing_rank and calls["n"] == step:
             raise ValueError(f"boom on rank {rank} at step {step}")
         return original(data)
 
