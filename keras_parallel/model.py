@@ -38,6 +38,10 @@ class DistributedModel:
     ```
     """
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _check_base_order(cls)
+
     def compile(self, *args, distribution=None, **kwargs):
         """Configures the model for training, on one device or many.
 
@@ -118,6 +122,26 @@ class DistributedModel:
 
     def make_predict_function(self, force=False):
         return self._kp_make("predict", super().make_predict_function, force)
+
+
+def _check_base_order(cls):
+    """Refuses `class Net(keras.Model, DistributedModel)`.
+
+    With `keras.Model` first, Keras's own `compile` runs instead of ours and
+    fails later with a bare "unexpected keyword argument 'distribution'".
+    """
+    import keras
+
+    mro = cls.__mro__
+    if keras.Model in mro and mro.index(keras.Model) < mro.index(DistributedModel):
+        bases = ", ".join(b.__name__ for b in cls.__bases__)
+        raise TypeError(
+            f"DistributedModel must come before keras.Model in the bases of "
+            f"{cls.__name__!r}, or keras.Model's own compile() runs and refuses "
+            f"`distribution=`. Received: class {cls.__name__}({bases}); write "
+            f"class {cls.__name__}(keras_parallel.DistributedModel, keras.Model) "
+            "instead."
+        )
 
 
 def _entry_point(name):

@@ -3,6 +3,9 @@
 import subprocess
 import sys
 
+import keras
+import pytest
+
 import keras_parallel
 
 PUBLIC = [
@@ -36,3 +39,26 @@ def test_import_loads_no_keras_and_no_backend():
         timeout=120,
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_mixin_after_keras_model_is_refused_at_class_creation():
+    with pytest.raises(
+        TypeError, match=r"DistributedModel must come before keras.Model"
+    ) as raised:
+
+        class Wrong(keras.Model, keras_parallel.DistributedModel):
+            pass
+
+    assert "class Wrong(keras_parallel.DistributedModel, keras.Model)" in str(
+        raised.value
+    )
+
+
+def test_subclass_of_a_distributed_model_is_accepted():
+    class Base(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    class Child(Base):
+        pass
+
+    assert issubclass(Child, keras_parallel.DistributedModel)
