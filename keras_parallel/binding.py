@@ -83,7 +83,14 @@ class Binding:
         if self._announced or self.plan is None or not self.executor.is_chief:
             return
         self._announced = True
-        print_fn(report.format_plan(self.plan, model.name))
+        print_fn(
+            report.format_plan(
+                self.plan,
+                model.name,
+                backend=self.executor.backend,
+                num_processes=self.executor.num_processes,
+            )
+        )
 
     def enter(self, model):
         """Enters the executor's scope, once for nested entry points."""

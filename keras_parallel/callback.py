@@ -54,6 +54,9 @@ class ShardingCallback(keras.callbacks.Callback):
             # A run that raised left its scope entered: leave it first.
             self.close()
         super().set_model(model)
+        # So that `describe(model)` finds the plan this callback applied;
+        # set past Keras's and torch's attribute tracking.
+        object.__setattr__(model, "_kp_callback_binding", self.binding)
         if self.binding.prepare(model):
             # Keras makes its step functions next; make them for this plan.
             model.train_function = None

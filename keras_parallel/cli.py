@@ -7,6 +7,9 @@ table and the accuracy.
 
 `keras-parallel launch --nproc N train.py [args]` runs a training script in
 N processes through `torch.distributed.run` (torchrun).
+
+`keras-parallel env` prints the versions and devices to put in a bug report;
+`keras-parallel --version` the version alone.
 """
 
 import argparse
@@ -25,20 +28,43 @@ def _demo(args):
         # batch smaller than the device count leaves (449 % 32 = 1 here);
         # TensorFlow reads this only when it is imported.
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-    if args.backend == "jax" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    if args.backend == "jax":
         # Simulated CPU devices; with a GPU or TPU, JAX uses those instead.
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={args.devices}"
-        ).strip()
+        # An explicit --devices wins over a device count already in XLA_FLAGS.
+        flags = os.environ.get("XLA_FLAGS", "")
+        if args.devices is not None or "device_count" not in flags:
+            kept = [f for f in flags.split() if "device_count" not in f]
+            count = args.devices or SIMULATED_DEVICES
+            kept.append(f"--xla_force_host_platform_device_count={count}")
+            os.environ["XLA_FLAGS"] = " ".join(kept)
     from keras_parallel import demo
     from keras_parallel.backends import executor_class
 
     # A partial of a module-level function: picklable, so a backend may run
     # it in processes it starts (torch: one per device).
     run = functools.partial(demo.run, epochs=args.epochs, batch_size=args.batch_size)
-    accuracy = executor_class(args.backend).demo_main(run, args.devices)
+    devices = args.devices or SIMULATED_DEVICES
+    accuracy = executor_class(args.backend).demo_main(run, devices)
     print(f"Test accuracy: {accuracy:.4f}")
+    return 0
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer. Received: {text!r}; pass e.g. 2"
+        )
+    return value
+
+
+def _env(args):
+    from keras_parallel import environment
+
+    print(environment.report())
     return 0
 
 
@@ -58,7 +84,16 @@ def main(argv=None):
         from keras_parallel.launcher import cli as launch_cli
 
         return launch_cli.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="keras-parallel", description=__doc__)
+    from keras_parallel import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="keras-parallel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"keras-parallel {__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo", help="train the Keras guide's convnet on digits, on every device"
@@ -69,13 +104,16 @@ def main(argv=None):
         default=os.environ.get("KERAS_BACKEND", "jax"),
         help="the Keras backend (default: $KERAS_BACKEND, else jax)",
     )
-    demo.add_argument("--epochs", type=int, default=30)
-    demo.add_argument("--batch-size", type=int, default=32, help="the global batch")
+    demo.add_argument("--epochs", type=_positive_int, default=30)
+    demo.add_argument(
+        "--batch-size", type=_positive_int, default=32, help="the global batch"
+    )
     demo.add_argument(
         "--devices",
-        type=int,
-        default=SIMULATED_DEVICES,
-        help="simulated CPU devices (or processes) when there is no accelerator",
+        type=_positive_int,
+        default=None,
+        help="simulated CPU devices (or processes) when there is no accelerator "
+        f"(default {SIMULATED_DEVICES})",
     )
     demo.set_defaults(func=_demo)
     commands.add_parser(
@@ -84,6 +122,9 @@ def main(argv=None):
         "train.py [args] (torchrun options pass through)",
         add_help=False,
     )
+    commands.add_parser(
+        "env", help="print the versions and devices to put in a bug report"
+    ).set_defaults(func=_env)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -303,13 +303,14 @@ def _entry(variable, kind, axes, key, sizes):
     shape = tuple(int(s) for s in variable.shape)
     dtype = str(getattr(variable.dtype, "name", variable.dtype))
     shards = 1
-    for dim, axis in zip(shape, axes):
+    for index, (dim, axis) in enumerate(zip(shape, axes)):
         if axis is None:
             continue
         if dim % sizes[axis]:
             raise ShardingError(
                 f"Variable {variable.path!r} cannot be split over mesh axis "
-                f"{axis!r}: dimension {dim} is not divisible by the axis size. "
+                f"{axis!r}: dimension {index} (size {dim}) is not divisible by "
+                "the axis size. "
                 f"Received: shape={shape}, axes={axes}, mesh axis {axis!r} of "
                 f"size {sizes[axis]}; change the layout or the mesh shape."
             )

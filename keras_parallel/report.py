@@ -67,19 +67,27 @@ def _axes(axes):
     return "(" + ", ".join("-" if a is None else a for a in axes) + ")"
 
 
-def format_plan(plan, model_name="model"):
+def format_plan(plan, model_name="model", backend=None, num_processes=1):
     """Formats a `ShardingPlan` as the table `describe` returns.
 
     Args:
         plan: a `ShardingPlan`.
         model_name: the name shown in the heading.
+        backend: the Keras backend; defaults to the running one.
+        num_processes: the processes the devices are spread over.
 
     Returns:
         A string.
     """
+    if backend is None:
+        import keras
+
+        backend = keras.backend.backend()
     mesh = ", ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
+    processes = "1 process" if num_processes == 1 else f"{num_processes} processes"
     lines = [
         f"Sharding plan of {model_name!r}",
+        f"Backend: {backend}, {plan.num_devices} devices in {processes}",
         f"Mesh: {mesh} ({plan.num_devices} devices: {', '.join(plan.devices)})",
         f"Batch: split {plan.data_parallel_size} ways along {plan.batch_axis!r}",
         "",

@@ -71,7 +71,7 @@ def _bad_distributions():
         ),
         "indivisible": (
             lambda: _model_parallel({"d2/kernel": (None, "model")}, shape=(1, 8)),
-            "dimension 6 is not divisible",
+            r"dimension 1 \(size 6\) is not divisible",
         ),
         "two keys": (
             lambda: _model_parallel(

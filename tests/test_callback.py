@@ -84,3 +84,13 @@ def test_callback_after_a_failed_fit_restores_on_close():
         model.fit(x, y, batch_size=32, verbose=0, callbacks=[callback, Boom()])
     callback.close()
     assert keras.distribution.distribution() is None
+
+
+def test_describe_finds_the_plan_the_callback_applied():
+    x, y = regression_data(64)
+    model = dense_model(keras.Model)
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+    model.fit(x, y, batch_size=32, verbose=0, callbacks=[callback])
+    text = keras_parallel.describe(model)
+    assert "Mesh: batch=8 (8 devices" in text and "d1/kernel" in text

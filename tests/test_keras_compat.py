@@ -69,14 +69,20 @@ def test_missing_module_names_version_and_range():
 
 
 def test_missing_attribute_names_it():
-    with pytest.raises(UnsupportedKerasError, match=r"trainer.*no_such_name"):
-        keras_compat.internal("keras.src.trainers.trainer", "Trainer.no_such_name")
+    with pytest.raises(UnsupportedKerasError, match=r"model.*no_such_name"):
+        keras_compat.internal("keras.src.models.model", "Model.no_such_name")
+
+
+def test_older_keras_than_required_is_refused():
+    keras_compat.require_keras((3, 0))
+    with pytest.raises(UnsupportedKerasError, match=r"needs `Keras >= 99.1`"):
+        keras_compat.require_keras((99, 1))
 
 
 def test_renamed_internal_takes_the_name_that_exists():
-    module = "keras.src.trainers.trainer"
-    found = keras_compat.internal_any(module, "NoSuchOldName", "Trainer")
-    assert found is importlib.import_module(module).Trainer
+    module = "keras.src.models.model"
+    found = keras_compat.internal_any(module, "NoSuchOldName", "Model")
+    assert found is importlib.import_module(module).Model
     with pytest.raises(UnsupportedKerasError, match="A or B"):
         keras_compat.internal_any(module, "A", "B")
 
@@ -89,3 +95,6 @@ def test_supported_range_matches_pyproject():
     pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     assert f"keras{keras_compat.SUPPORTED_KERAS}" in deps
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    tf_floor = keras_compat.SUPPORTED_KERAS_BY_BACKEND["tensorflow"]
+    assert f"keras{tf_floor}" in extras["tensorflow"]

@@ -347,6 +347,7 @@ def test_fit_prints_the_plan_once_when_verbose(capsys):
     model.fit(x, y, batch_size=32, verbose=2)
     out = capsys.readouterr().out
     assert out.count("Sharding plan of 'net'") == 1
+    assert out.count("Backend: jax, 8 devices in 1 process") == 1
     assert "d1/kernel" in out
 
 

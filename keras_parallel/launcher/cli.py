@@ -5,7 +5,14 @@ is added when no rendezvous option is given; every other torchrun option
 passes through, so its restart and rendezvous options work.
 """
 
+import os
 import sys
+
+_USAGE = (
+    "usage: keras-parallel launch [--nproc N] [torchrun options] script.py "
+    "[script args]\n\nRuns script.py in N processes with "
+    "torch.distributed.run (torchrun); every torchrun option works."
+)
 
 #: The options that choose a rendezvous; without any, `launch` CLI runs
 #: torchrun `--standalone` (a free local port).
@@ -34,30 +41,79 @@ def main(argv=None):
         argv: the arguments after `launch`.
 
     Returns:
-        The exit status: 0, or 1 if a rank failed.
+        The exit status: 0; the failed rank's exit code (1 if it was
+        killed by a signal); 2 for a command that cannot start.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: keras-parallel launch [--nproc N] [torchrun options] "
-            "script.py [script args]\n\nRuns script.py in N processes with "
-            "torch.distributed.run (torchrun); every torchrun option works. "
-            "torchrun's own help follows.\n"
-        )
-        from torch.distributed import run
-
+        print(_USAGE)
+        try:
+            from torch.distributed import run
+        except ImportError:
+            print(
+                "\ntorch is not installed, so its options cannot be listed: "
+                "pip install 'keras-parallel[torch]'."
+            )
+            return 0
+        print("torchrun's own help follows.\n")
         run.get_args_parser().print_help()
         return 0
-    torchrun_args = _torchrun_args(argv)
-    from torch.distributed import run
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
+    try:
+        torchrun_args, script = _torchrun_args(argv)
+        _check(torchrun_args, script)
+        from torch.distributed import run
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    except (ValueError, ImportError) as error:
+        print(f"keras-parallel launch: error: {_message(error)}", file=sys.stderr)
+        return 2
     try:
         run.run(run.parse_args(torchrun_args))
     except ChildFailedError as error:
-        print(f"keras-parallel launch: {error}", file=sys.stderr)
-        return 1
+        rank, failure = error.get_first_failure()
+        print(
+            f"keras-parallel launch: rank {rank} failed with exit code "
+            f"{failure.exitcode} (its traceback is above).",
+            file=sys.stderr,
+        )
+        # The rank's own exit code (sys.exit(3) gives 3); a signal, 1.
+        return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def _message(error):
+    if isinstance(error, ImportError):
+        return (
+            "it runs processes with torch.distributed.run, and torch is not "
+            f"installed. Received: {error}; pip install 'keras-parallel[torch]'."
+        )
+    return str(error)
+
+
+def _check(torchrun_args, script):
+    """Refuses a launch that would fail in every process, before it starts."""
+    for i, arg in enumerate(torchrun_args):
+        name, _, value = arg.partition("=")
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            value = value or (
+                torchrun_args[i + 1] if i + 1 < len(torchrun_args) else ""
+            )
+            if value.isdigit() and int(value) < 1:
+                raise ValueError(
+                    "--nproc must be a positive number of processes. Received: "
+                    f"--nproc {value}; pass e.g. --nproc 2."
+                )
+    modes = {"-m", "--module", "--no-python", "--no_python"}
+    if script is None:
+        raise ValueError(
+            "no script to run. Received: "
+            f"{' '.join(torchrun_args) or '(nothing)'}; write "
+            "keras-parallel launch --nproc N train.py [args]."
+        )
+    if not modes.intersection(torchrun_args) and not os.path.isfile(script):
+        raise ValueError(
+            f"the script {script!r} does not exist. Received: {script!r} "
+            f"(from {os.getcwd()}); pass the path of your training script."
+        )
 
 
 def _torchrun_args(argv):
@@ -80,9 +136,10 @@ def _torchrun_args(argv):
             out.append(arg)
         i += 1
     options = out if script_at is None else out[:script_at]
+    script = None if script_at is None else out[script_at]
     if not any(o.split("=", 1)[0] in _RENDEZVOUS_OPTIONS for o in options):
         out.insert(0, "--standalone")
-    return out
+    return out, script
 
 
 def _takes_value(option):

@@ -1,0 +1,101 @@
+"""The `keras-parallel` command: demo, env, --version, and launch's bad input.
+
+Run as a user runs it: the installed console script in a subprocess (the
+module when the script is not installed), on the backend of the tox env.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import keras_parallel
+
+BACKEND = keras.backend.backend()
+
+
+def _command():
+    script = os.path.join(os.path.dirname(sys.executable), "keras-parallel")
+    if os.path.exists(script):
+        return [script]
+    return [sys.executable, "-m", "keras_parallel.cli"]
+
+
+def _run(*args, timeout=120, cwd=None):
+    # The keras_parallel these tests imported, also when run from a checkout.
+    here = os.path.dirname(os.path.dirname(keras_parallel.__file__))
+    path = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    return subprocess.run(
+        _command() + list(args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def test_version():
+    result = _run("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"keras-parallel {keras_parallel.__version__}"
+
+
+def test_env_names_keras_backend_and_devices():
+    result = _run("env")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"keras: {keras.version()}" in result.stdout or "keras-nightly" in (
+        result.stdout
+    )
+    assert f"KERAS_BACKEND: {BACKEND}" in result.stdout
+    assert "devices: " in result.stdout
+
+
+@pytest.mark.parametrize("option", ["--devices", "--batch-size", "--epochs"])
+def test_demo_refuses_non_positive_numbers(option):
+    result = _run("demo", option, "0")
+    assert result.returncode == 2
+    assert f"argument {option}: must be a positive integer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_trains_on_two_devices_and_prints_the_plan():
+    # The command as the README gives it, short: one epoch on 2 devices (2
+    # processes on torch). The plan names the 2-device mesh.
+    result = _run(
+        "demo", "--devices", "2", "--epochs", "1", "--batch-size", "64", timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Mesh: batch=2 (2 devices" in result.stdout
+    processes = "2 processes" if BACKEND == "torch" else "1 process"
+    assert f"Backend: {BACKEND}, 2 devices in {processes}" in result.stdout
+    assert "Test accuracy: " in result.stdout
+
+
+def test_launch_refuses_zero_processes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    result = _run("launch", "--nproc", "0", str(script))
+    assert result.returncode == 2
+    assert "--nproc must be a positive number of processes" in result.stderr
+    assert "Traceback" not in result.stderr and "ran" not in result.stdout
+
+
+def test_launch_names_a_missing_script_once(tmp_path):
+    result = _run("launch", "--nproc", "2", "no_such_train.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("no_such_train.py") == 2  # script, received
+    assert result.stderr.count("does not exist") == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_launch_help_works_with_or_without_torch():
+    result = _run("launch", "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage: keras-parallel launch" in result.stdout
+    if shutil.which("torchrun") is None and BACKEND != "torch":
+        assert "torch is not installed" in result.stdout or "torchrun" in result.stdout
