@@ -8,6 +8,7 @@ Public API:
 - `describe`: the sharding plan as a text table.
 - `launch`: run a function in N processes (torch), rank-ordered results.
 - `ShardingError`: the error bad layouts raise (a `ValueError`).
+- `split_cpu`: TensorFlow: split the CPU into N logical devices.
 
 The names are imported on first use, so `import keras_parallel` (and the
 `keras-parallel` command) imports neither Keras nor a backend: the backend
@@ -26,6 +27,7 @@ _EXPORTS = {
     "ShardingError": "keras_parallel.errors",
     "UnmatchedLayoutKeyWarning": "keras_parallel.errors",
     "describe": "keras_parallel.report",
+    "split_cpu": "keras_parallel.backends.tensorflow.devices",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,12 +14,14 @@ not with an `AttributeError` deep inside a rank. Attributes of Keras objects
 are listed too, and `tests/test_keras_compat.py` checks them on real objects.
 
 Checked against (tox envs `*-oldest`, the default ones and `*-nightly`):
-Keras 3.14.0 (3.15.0 for TensorFlow), 3.15.1 and keras-nightly
-3.16.0.dev2026102704. Older Keras fails on JAX for reasons of its own:
-3.11's trainer records the variables' shardings before keras_parallel lays
-them out (`_record_training_state_sharding_spec`, gone in 3.12), and in 3.12
-and 3.13 `train_on_batch` under any distribution fails on `sample_weight=None`
-(`_distribute_data` maps over the `None`).
+Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704. Older Keras
+fails for reasons of its own, found by running the suite on it: up to 3.14,
+JAX `train_on_batch` under any distribution fails on `sample_weight=None`
+(`_distribute_data` maps over the `None`; fixed in 3.15); up to 3.14,
+`keras.distribution.DataParallel` cannot be made on TensorFlow (it calls a
+`num_processes` that Keras's TensorFlow distribution_lib lacks); 3.11's JAX
+trainer records the variables' shardings before keras_parallel lays them
+out. The floor is checked below, as no one internal shows it.
 """
 
 import importlib
@@ -27,13 +29,10 @@ import importlib
 from keras_parallel.errors import UnsupportedKerasError
 
 #: The Keras releases keras_parallel supports (as in `pyproject.toml`).
-SUPPORTED_KERAS = ">=3.14"
-#: Backends that need a newer Keras (their `pyproject.toml` extra says so):
-#: before 3.15, Keras's own `DataParallel` fails on TensorFlow
-#: (`keras.src.backend.tensorflow.distribution_lib` has no `num_processes`).
-SUPPORTED_KERAS_BY_BACKEND = {"tensorflow": ">=3.15"}
+SUPPORTED_KERAS = ">=3.15"
+MINIMUM_KERAS = (3, 15)
 #: The Keras versions the test matrix runs (`tox.ini`).
-CHECKED_KERAS = ("3.14.0", "3.15.0", "3.15.1", "3.16.0.dev2026102704")
+CHECKED_KERAS = ("3.15.0", "3.15.1", "3.16.0.dev2026102704")
 
 
 def keras_version():
@@ -111,19 +110,16 @@ def find(owner, dotted, where=None):
 
 
 def _unsupported(what):
-    import keras
-
-    backend = keras.backend.backend()
-    supported = SUPPORTED_KERAS_BY_BACKEND.get(backend, SUPPORTED_KERAS)
     return UnsupportedKerasError(
         f"keras_parallel needs `{what}` (a Keras internal or release), which "
-        f"the installed Keras does not have. Received: keras=={keras_version()} "
-        f"on the {backend} backend; keras_parallel supports keras{supported} "
-        f"there (checked with "
+        f"the installed Keras does not have. Received: keras=={keras_version()}; "
+        f"keras_parallel supports keras{SUPPORTED_KERAS} (checked with "
         f"{', '.join(CHECKED_KERAS)}). Install one of those, e.g. "
         "`pip install keras==3.15.1`."
     )
 
+
+require_keras(MINIMUM_KERAS)
 
 #: The base class of every distribution (`keras.distribution` exports its
 #: subclasses only).

@@ -121,11 +121,57 @@ SCRIPT = textwrap.dedent(
     """
 )
 
+# A model with BatchNorm (its statistics are synced when fit ends normally)
+# and a callback that raises on rank 1 in the middle of an epoch.
+RAISING_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import keras, numpy as np
+    import keras_parallel
 
-def _run_cli(tmp_path, *extra):
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if os.environ["RANK"] == "1" and batch == 3:
+                raise ValueError("boom on rank 1")
+
+    inputs = keras.Input((4,))
+    x = keras.layers.BatchNormalization()(keras.layers.Dense(8)(inputs))
+    model = Net(inputs=inputs, outputs=keras.layers.Dense(2)(x))
+    model.compile(optimizer="sgd", loss="mse",
+                  distribution=keras_parallel.DataParallel())
+    x = np.ones((400, 4), "float32"); y = np.zeros((400, 2), "float32")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Boom()])
+    """
+)
+
+
+def _processes_running(marker):
+    """PIDs whose command line mentions `marker` (a per-test path)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60):
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    script.write_text(source)
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="torch",
+        OMP_NUM_THREADS="1",
+        KERAS_PARALLEL_TIMEOUT=str(timeout_s),
+    )
     return subprocess.run(
         [
             sys.executable,
@@ -152,6 +198,20 @@ def test_cli_runs_a_script_in_n_processes(tmp_path):
     assert lines[0] == lines[1] and lines[0].startswith("2 ")
 
 
-def test_cli_exits_nonzero_when_a_rank_fails(tmp_path):
+def test_cli_exits_with_the_failed_ranks_exit_code(tmp_path):
     result = _run_cli(tmp_path, "fail")
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "rank 1 failed with exit code 3" in result.stderr
+
+
+def test_cli_reports_a_rank_raising_in_fit_within_seconds(tmp_path):
+    # The failing rank must report its own error at once: no collective may
+    # run while it unwinds (it hung until the collective timeout, 120 s here).
+    start = time.monotonic()
+    result = _run_cli(tmp_path, source=RAISING_SCRIPT, timeout_s=120)
+    elapsed = time.monotonic() - start
     assert result.returncode == 1
+    assert "ValueError: boom on rank 1" in result.stderr
+    assert "rank 1 failed" in result.stderr
+    assert elapsed < 60, elapsed
+    assert _processes_running(str(tmp_path)) == []

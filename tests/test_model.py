@@ -362,3 +362,24 @@ def test_step_state_is_not_walked_for_tracking():
     model._tracker.track = refuse
     model._jax_state = {"trainable_variables": [np.zeros(2)]}
     assert model._jax_state["trainable_variables"][0].shape == (2,)
+
+
+def test_a_global_distribution_the_user_set_is_restored_after_fit():
+    # Entry points install the plan's distribution for their duration only;
+    # what the user had set before is put back, not dropped.
+    x, y = regression_data(64)
+    mine = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices()[:2]
+    )
+    keras.distribution.set_distribution(mine)
+    try:
+        model = dense_model(Net)
+        model.compile(
+            optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+        )
+        model.fit(x, y, batch_size=32, verbose=0)
+        assert keras.distribution.distribution() is mine
+        model.predict(x, verbose=0)
+        assert keras.distribution.distribution() is mine
+    finally:
+        keras.distribution.set_distribution(None)

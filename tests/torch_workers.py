@@ -76,6 +76,7 @@ def train(
     data_kind="numpy",
     record_step_logs=False,
     decide_on_plateau=False,
+    seed_by_rank=False,
 ):
     """Fits the small model; returns weights, history and rank info.
 
@@ -83,13 +84,20 @@ def train(
         door: "mixin" (DistributedModel) or "callback" (ShardingCallback).
         steps: steps_per_epoch, or None for whole epochs.
         distributed: False trains the same model in plain Keras.
+        seed_by_rank: each rank builds its model from another seed (rank 0
+            from the usual one): only the initial broadcast makes them agree.
     """
     _keras()
     import keras_parallel
 
     x, y = make_data(n)
     callbacks = []
-    model = make_model(distributed=distributed and door == "mixin", batchnorm=batchnorm)
+    rank = int(os.environ.get("RANK", "0"))
+    model = make_model(
+        distributed=distributed and door == "mixin",
+        batchnorm=batchnorm,
+        seed=3 + (rank if seed_by_rank else 0),
+    )
     distribution = None
     if distributed:
         distribution = keras_parallel.DataParallel(sync_batchnorm=sync_batchnorm)
@@ -253,6 +261,34 @@ def fail_at(step=3, failing_rank=1, where="step", batchnorm=False):
     object.__setattr__(model, "train_step", train_step)
     model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[Failing()])
     return "finished"
+
+
+def dropout_masks(rows=64):
+    """The dropout mask each rank draws in its first train step."""
+    keras = _keras()
+    import keras_parallel
+
+    masks = []
+
+    class RecordingDropout(keras.layers.Dropout):
+        def call(self, inputs, training=False):
+            outputs = super().call(inputs, training=training)
+            if training:
+                masks.append((outputs.detach().cpu().numpy() != 0).astype("int8"))
+            return outputs
+
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((16,))
+    outputs = keras.layers.Dense(2)(RecordingDropout(0.5)(inputs))
+    model = Net(inputs=inputs, outputs=outputs)
+    _compile(model, keras_parallel.DataParallel())
+    x = np.ones((rows, 16), "float32")
+    y = np.zeros((rows,), "int32")
+    model.fit(x, y, batch_size=rows, epochs=1, verbose=0)
+    return masks[0]
 
 
 def digits_accuracy(epochs=12, batch_size=32):

@@ -1,7 +1,7 @@
 """The Keras internals the JAX backend reads or patches, in one place.
 
 See `keras_parallel.keras_compat` for why and how these are checked.
-Checked against Keras 3.14.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704
+Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704
 (Keras 3.10 has no `trainer.jit`; Keras 3.11 records the variables'
 shardings before keras_parallel lays them out).
 """

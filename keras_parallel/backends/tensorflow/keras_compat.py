@@ -2,15 +2,10 @@
 
 See `keras_parallel.keras_compat` for why and how these are checked.
 Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
-Before 3.15, Keras's own `DataParallel` fails on TensorFlow.
 """
 
-from keras_parallel.keras_compat import internal, require_keras
+from keras_parallel.keras_compat import internal
 
-# Before 3.15, Keras's own `DataParallel` cannot be made on TensorFlow
-# (`DataParallel.__init__` calls a `num_processes` that Keras's TensorFlow
-# distribution_lib lacks): no internal to check, so the version is.
-require_keras((3, 15))
 #: Keras's TensorFlow trainer. Replaced in scope (`exact.patched`):
 #: `reduce_per_replica` (global logs), `TensorFlowTrainer._maybe_symbolic_build`
 #: (a first batch that splits unevenly), `TFEpochIterator._get_iterator`
