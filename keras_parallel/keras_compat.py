@@ -129,8 +129,19 @@ Distribution = internal(
 #: Keras's progress printing (respects `keras.config.disable_interactive_logging`).
 print_msg = internal("keras.src.utils.io_utils", "print_msg").print_msg
 
+#: Writes a class's `module`, `class_name` and `registered_name` into a
+#: saved config; wrapped while `DistributedModel.save` runs (`saving.py`).
+serialization_lib = internal(
+    "keras.src.saving.serialization_lib", "serialize_with_public_class"
+)
+#: Keras's functional model class: a functional DistributedModel is saved
+#: as one, so that plain Keras can load it (`saving.py`).
+Functional = internal("keras.src.models.functional", "Functional").Functional
+
 #: Attributes of Keras objects that keras_parallel reads or sets, by owner.
 OBJECT_ATTRIBUTES = {
     # Model._flatten_layers walks nested layers (TF executor, sync BN).
     "keras.Model": ("_flatten_layers",),
+    # The LayoutMap of a ModelParallel (plan, executors' checks, saving).
+    "keras.distribution.ModelParallel": ("_layout_map",),
 }

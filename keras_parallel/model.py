@@ -66,6 +66,72 @@ class DistributedModel:
             binding.prepare(self)
             self._kp_binding = binding
 
+    def save(self, *args, **kwargs):
+        """`keras.Model.save`, in a file that plain Keras can load too.
+
+        A functional or Sequential model is written as Keras's own
+        `Functional` (`Sequential`) under this class's registered name:
+        `keras.saving.load_model` gives this class where it is known
+        (`custom_objects={"Net": Net}` or registered), compiled, with its
+        optimizer state and its distribution; elsewhere a plain Keras model
+        with its weights, compile config and optimizer state. See
+        `keras_parallel.saving`.
+
+        Args:
+            *args: `keras.Model.save` arguments (`filepath`, ...).
+            **kwargs: `keras.Model.save` arguments.
+
+        Returns:
+            What `keras.Model.save` returns.
+        """
+        from keras_parallel import saving
+
+        with saving.saved_as_keras_class():
+            return super().save(*args, **kwargs)
+
+    def compile_from_config(self, config):
+        """Compiles a loaded model from its saved compile config.
+
+        Keras's own `compile_from_config` skips every class that overrides
+        `compile`, ours included, and the optimizer state is then lost. A
+        subclass with a `compile` of its own still gets Keras's behaviour:
+        its arguments are not Keras's.
+
+        Args:
+            config: the compile config `get_compile_config` saved.
+        """
+        if type(self).compile is not DistributedModel.compile:
+            return super().compile_from_config(config)
+        from keras_parallel import saving
+
+        saving.compile_from_config(self, config)
+
+    def save_assets(self, dir_path):
+        """Writes the distribution's description with the saved model.
+
+        Args:
+            dir_path: the model's assets folder (Keras's saving calls this).
+        """
+        parent = getattr(super(), "save_assets", None)
+        if parent is not None:
+            parent(dir_path)
+        from keras_parallel import saving
+
+        saving.save_distribution(self.distribution, dir_path)
+
+    def load_assets(self, dir_path):
+        """Re-applies the saved distribution to the loaded, compiled model.
+
+        Args:
+            dir_path: the model's assets folder (Keras's loading calls this).
+        """
+        parent = getattr(super(), "load_assets", None)
+        if parent is not None:
+            parent(dir_path)
+        from keras_parallel import saving
+
+        saving.restore_distribution(self, dir_path)
+
     def __setattr__(self, name, value):
         # Keras's JAX `fit` stores its step state in `_jax_state` after every
         # step, and Layer.__setattr__ walks every value it is given for

@@ -25,7 +25,14 @@ def _owners():
     model = keras.Model(inputs, keras.layers.Dense(2)(x))
     model.compile(optimizer="sgd", loss="mse")
     model.fit(np.zeros((8, 4)), np.zeros((8, 2)), verbose=0)
+    mesh = keras.distribution.DeviceMesh(
+        (1,), ["model"], keras.distribution.list_devices()[:1]
+    )
+    model_parallel = keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="model"
+    )
     return {
+        "keras.distribution.ModelParallel": model_parallel,
         "keras.Model": model,
         "keras.Model (after fit)": model,
         "keras.Variable": model.weights[0],

@@ -164,31 +164,52 @@ def _processes_running(marker):
 
 
 def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60):
+    """Runs `keras-parallel launch --nproc 2 train.py` to its end.
+
+    In a session of its own, so that on a timeout the launcher and every
+    rank it started are killed together.
+    """
+    import signal
+
+    import keras_parallel
+
     script = tmp_path / "train.py"
     script.write_text(source)
+    # The keras_parallel these tests imported, also when run from a checkout.
+    here = os.path.dirname(os.path.dirname(keras_parallel.__file__))
     env = dict(
         os.environ,
         KERAS_BACKEND="torch",
         OMP_NUM_THREADS="1",
         KERAS_PARALLEL_TIMEOUT=str(timeout_s),
+        PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
     )
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keras_parallel.cli",
-            "launch",
-            "--nproc",
-            "2",
-            str(script),
-            str(tmp_path),
-            *extra,
-        ],
+    command = [
+        sys.executable,
+        "-m",
+        "keras_parallel.cli",
+        "launch",
+        "--nproc",
+        "2",
+        str(script),
+        str(tmp_path),
+        *extra,
+    ]
+    process = subprocess.Popen(
+        command,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
+        start_new_session=True,
     )
+    try:
+        out, err = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def test_cli_runs_a_script_in_n_processes(tmp_path):

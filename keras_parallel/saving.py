@@ -1,0 +1,321 @@
+"""Saving and loading a `DistributedModel` with Keras's own `.keras` format.
+
+`model.save(path)` and `keras.saving.load_model(path)` stay Keras's own;
+three things are added, each where Keras leaves a gap:
+
+1. **The class.** Keras writes a model's class as `module`, `class_name` and
+   `registered_name`. At load it looks `registered_name` up among the custom
+   and registered objects first, and imports `module.class_name` only for
+   Keras's own modules. `DistributedModel.save` writes a functional (or
+   Sequential) subclass as Keras's `Functional` (`Sequential`) with the
+   subclass's registered name: where the class is given (`custom_objects`,
+   `register_keras_serializable`) the model loads as that class; elsewhere,
+   with plain Keras and no keras_parallel, as a plain Keras model with its
+   weights, compile config and optimizer state. A model with its own
+   `__init__` is written as Keras writes it: it needs its class, as in Keras.
+2. **Compiling.** Keras's `compile_from_config` skips a model whose class
+   overrides `compile` (ours does): `DistributedModel.compile_from_config`
+   compiles it as Keras does for its own classes, so the optimizer is built
+   and its saved state (iterations, momenta, moments) is restored.
+3. **The distribution.** Described in the model's assets
+   (`assets/keras_parallel_distribution.json`), and re-applied when the
+   model is loaded with its class and compiled. Not in the compile config:
+   Keras's own `compile_from_config` passes every key of it to `compile`, so
+   a plain Keras model could not load it.
+
+The serialization hook (1) is a Keras internal, swapped in only while
+`DistributedModel.save` runs.
+"""
+
+import contextlib
+import json
+import os
+import warnings
+
+import numpy as np
+
+#: The file in the model's assets that describes its distribution.
+DISTRIBUTION_ASSET = "keras_parallel_distribution.json"
+#: The format of that file; a newer one is refused with a warning.
+DISTRIBUTION_FORMAT = 1
+
+
+def _serialization_lib():
+    from keras_parallel.keras_compat import serialization_lib
+
+    return serialization_lib
+
+
+def _keras_classes():
+    """Keras's classes a DistributedModel may be saved as, most derived first."""
+    import keras
+
+    from keras_parallel.keras_compat import Functional
+
+    return (keras.Sequential, Functional)
+
+
+#: The keys of a Functional model's config (`Functional.get_config`).
+_FUNCTIONAL_KEYS = {"name", "trainable", "layers", "input_layers", "output_layers"}
+
+
+def keras_class_for(cls, inner_config):
+    """The Keras class that can revive a model of `cls` from its config.
+
+    Args:
+        cls: a `DistributedModel` subclass.
+        inner_config: what its `get_config()` returned, serialized.
+
+    Returns:
+        `Functional` or `Sequential`, or `None` when the config needs `cls`
+        itself (its own `__init__`, or a `get_config` of its own).
+    """
+    if not isinstance(inner_config, dict):
+        return None
+    sequential, functional = _keras_classes()
+    if issubclass(cls, sequential):
+        # Sequential.from_config reads its own keys; a subclass that keeps
+        # Sequential's constructor and config revives as one.
+        own = cls.__init__ is sequential.__init__ and cls.get_config is (
+            sequential.get_config
+        )
+        return sequential if own else None
+    if issubclass(cls, functional):
+        # Keras writes a functional config only for a functional-like
+        # constructor; extra keys would be passed to Functional's constructor.
+        keys = set(inner_config)
+        required = _FUNCTIONAL_KEYS - {"trainable"}
+        return functional if required <= keys <= _FUNCTIONAL_KEYS else None
+    return None
+
+
+@contextlib.contextmanager
+def saved_as_keras_class():
+    """While in scope, a DistributedModel's config names a Keras class.
+
+    Wraps `serialization_lib.serialize_with_public_class`, which
+    `serialize_keras_object` calls with the object's class to write its
+    `module`, `class_name` and `registered_name`. For a `DistributedModel`
+    subclass that a Keras class can revive (see `keras_class_for`), those
+    name the Keras class and keep the subclass's registered name, which Keras
+    looks up first at load. Every other class is written as before.
+    """
+    from keras_parallel.model import DistributedModel
+
+    module = _serialization_lib()
+    original = module.serialize_with_public_class
+
+    def serialize_with_public_class(cls, inner_config=None):
+        config = original(cls, inner_config=inner_config)
+        if not (isinstance(cls, type) and issubclass(cls, DistributedModel)):
+            return config
+        keras_class = keras_class_for(cls, inner_config)
+        if keras_class is None:
+            return config
+        from keras.saving import get_registered_name
+
+        return {
+            # Keras imports a class from its own modules only, so the
+            # defining module (not the `keras` API name: Keras refuses a
+            # registered name on an API-exported class) is written.
+            "module": keras_class.__module__,
+            "class_name": keras_class.__name__,
+            "config": inner_config,
+            "registered_name": get_registered_name(cls),
+        }
+
+    module.serialize_with_public_class = serialize_with_public_class
+    try:
+        yield
+    finally:
+        module.serialize_with_public_class = original
+
+
+def compile_from_config(model, config):
+    """Compiles a loaded model from its saved compile config, as Keras does.
+
+    Mirrors `keras.Model.compile_from_config`, which skips every class that
+    overrides `compile`. The distribution is applied after, from the assets
+    (`restore_distribution`).
+
+    Args:
+        model: the loaded `DistributedModel`.
+        config: the saved compile config.
+    """
+    import keras
+
+    config = keras.saving.deserialize_keras_object(config)
+    model.compile(**config)
+    if hasattr(model, "optimizer") and model.built:
+        # Keras loads the optimizer's saved variables into the variables that
+        # exist when the weights are read: build them now, as Keras does.
+        model.optimizer.build(model.trainable_variables)
+
+
+# ------------------------------------------------------------ distribution
+def describe_distribution(distribution):
+    """A JSON-able description of a distribution, enough to re-create it.
+
+    Args:
+        distribution: a `keras.distribution.Distribution`.
+
+    Returns:
+        A dict: `kind` (`"DataParallel"`, `"ModelParallel"` or the class
+        name), the mesh's `mesh_shape` and `axis_names`, `batch_dim_name`,
+        `auto_shard_dataset`, and for ModelParallel the `layout_map` (each key
+        to its axes); keras_parallel's `DataParallel` options too.
+    """
+    import keras
+
+    mesh = distribution.device_mesh
+    description = {
+        "format": DISTRIBUTION_FORMAT,
+        "kind": type(distribution).__name__,
+        "mesh_shape": [int(n) for n in mesh.shape],
+        "axis_names": list(mesh.axis_names),
+        "batch_dim_name": distribution.batch_dim_name,
+        "auto_shard_dataset": bool(getattr(distribution, "auto_shard_dataset", True)),
+    }
+    if isinstance(distribution, keras.distribution.ModelParallel):
+        description["kind"] = "ModelParallel"
+        layout_map = getattr(distribution, "_layout_map", None) or {}
+        description["layout_map"] = {
+            key: list(layout_map[key].axes) for key in layout_map
+        }
+    elif isinstance(distribution, keras.distribution.DataParallel):
+        description["kind"] = "DataParallel"
+        for option in ("sync_batchnorm", "find_unused_parameters"):
+            if hasattr(distribution, option):
+                description[option] = bool(getattr(distribution, option))
+    return description
+
+
+def _mesh_text(description):
+    shape = tuple(description.get("mesh_shape", ()))
+    names = tuple(description.get("axis_names", ()))
+    return f"{description.get('kind')} over a {shape} mesh {names}"
+
+
+def distribution_from_description(description):
+    """Re-creates a saved distribution over this process's devices.
+
+    DataParallel spans every local device (`keras_parallel.DataParallel()`),
+    whatever the saved count. ModelParallel keeps the mesh shape, axis
+    names, batch axis and LayoutMap, laid over the local devices when their
+    count equals the mesh size.
+
+    Args:
+        description: what `describe_distribution` returned.
+
+    Returns:
+        The distribution, or `None` (with a warning saying why and what to
+        do) when it cannot be re-created here.
+    """
+    import keras
+
+    import keras_parallel
+    from keras_parallel.backends import executor_class
+
+    kind = description.get("kind")
+    remedy = (
+        "the model is loaded on one device; compile it again with a "
+        "distribution for this machine: model.compile(..., distribution=...)"
+    )
+    if description.get("format", 0) > DISTRIBUTION_FORMAT:
+        warnings.warn(
+            "The model's saved distribution was written by a newer "
+            f"keras_parallel. Received: format {description.get('format')}, "
+            f"this one reads {DISTRIBUTION_FORMAT}; {remedy}.",
+            stacklevel=3,
+        )
+        return None
+    if kind == "DataParallel":
+        options = {
+            key: description[key]
+            for key in ("sync_batchnorm", "find_unused_parameters")
+            if key in description
+        }
+        return keras_parallel.DataParallel(
+            auto_shard_dataset=description.get("auto_shard_dataset", True), **options
+        )
+    if kind != "ModelParallel":
+        warnings.warn(
+            "The model was saved with a distribution keras_parallel cannot "
+            f"re-create. Received: {kind}; {remedy}.",
+            stacklevel=3,
+        )
+        return None
+    shape = tuple(description["mesh_shape"])
+    devices = list(executor_class().list_devices())
+    if len(devices) != int(np.prod(shape)):
+        warnings.warn(
+            f"The model was saved with {_mesh_text(description)} of "
+            f"{int(np.prod(shape))} devices, which this process cannot lay out. "
+            f"Received: {len(devices)} local device(s); {remedy}.",
+            stacklevel=3,
+        )
+        return None
+    mesh = keras.distribution.DeviceMesh(
+        shape, list(description["axis_names"]), devices=devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in description.get("layout_map", {}).items():
+        layout_map[key] = tuple(axes)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map,
+        batch_dim_name=description.get("batch_dim_name"),
+        auto_shard_dataset=description.get("auto_shard_dataset", True),
+    )
+
+
+def save_distribution(distribution, dir_path):
+    """Writes the distribution's description into the model's assets.
+
+    Args:
+        distribution: the model's distribution, or `None` (nothing written).
+        dir_path: the model's assets folder, as Keras gives it.
+    """
+    if distribution is None:
+        return
+    path = os.path.join(dir_path, DISTRIBUTION_ASSET)
+    with open(path, "w") as f:
+        json.dump(describe_distribution(distribution), f, indent=1)
+
+
+def restore_distribution(model, dir_path):
+    """Re-applies a saved distribution to a loaded, compiled model.
+
+    Nothing happens when none was saved, or when the model was loaded
+    uncompiled (`compile=False`: its `compile` call gives the distribution).
+    The plan is checked now and applied, with the loaded weights and
+    optimizer state, when the first entry point makes its step, as after
+    `compile(..., distribution=...)` on an unbuilt model.
+
+    Args:
+        model: the loaded `DistributedModel`.
+        dir_path: its assets folder, as Keras gives it.
+    """
+    from keras_parallel.binding import Binding
+
+    path = os.path.join(dir_path, DISTRIBUTION_ASSET)
+    if not os.path.exists(path) or not getattr(model, "compiled", False):
+        return
+    with open(path) as f:
+        description = json.load(f)
+    distribution = distribution_from_description(description)
+    if distribution is None:
+        return
+    try:
+        binding = Binding(distribution)
+        binding.resolve(model)
+    except ValueError as error:
+        warnings.warn(
+            f"The model's saved {_mesh_text(description)} does not fit it "
+            f"here, so it is loaded on one device. Received: {error}; compile "
+            "it again with a distribution that fits: "
+            "model.compile(..., distribution=...).",
+            stacklevel=3,
+        )
+        return
+    model._kp_unbind()
+    model._kp_binding = binding
