@@ -47,6 +47,7 @@ from keras_parallel.backends.torch.batches import (
     split_rows,
 )
 from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.random_stream import RankRandomStream
 
 
 class DDPModule(torch.nn.Module):
@@ -108,6 +109,7 @@ class RankSteps:
         self._in_step = False
         self._whole = False
         self._step = 0
+        self._random_stream = RankRandomStream(rank)
         #: Set by a train step: non-trainable variables (BatchNorm moving
         #: statistics) may differ across ranks until `sync_non_trainable`.
         self.dirty = False
@@ -217,7 +219,8 @@ class RankSteps:
                 self._grad_scale = self.world_size * (stop - start) / used
                 self._route_call(True)
                 try:
-                    logs = step(local)
+                    with self._random_stream:
+                        logs = step(local)
                 finally:
                     self._route_call(False)
             else:

@@ -1,0 +1,66 @@
+"""Each rank's own random stream for what a train step draws.
+
+Keras's torch dropout without a seed (`Dropout(0.5)`) draws from torch's
+global generator. Every rank starts each entry point from rank 0's global
+random state, so that all ranks shuffle the data alike; left there, every
+rank would also draw the same dropout masks for its rows, where one device
+draws a different mask for every row of the global batch. So while a train
+step runs, each rank uses a generator state of its own (seeded once from the
+shared state and its rank) and the shared state is put back after: the
+shuffle stays shared, the masks do not.
+"""
+
+import torch
+
+#: Rank r's stream starts from a seed r strides from rank 0's.
+SEED_STRIDE = 1_000_003
+
+
+def _states():
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return cpu, cuda
+
+
+def _set_states(states):
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class RankRandomStream:
+    """A rank's own torch random state, entered around a train step.
+
+    Args:
+        rank: this process's rank.
+
+    Example:
+
+    >>> stream = RankRandomStream(rank=1)
+    >>> with stream:
+    ...     outputs = model(x, training=True)  # rank 1's dropout masks
+    """
+
+    def __init__(self, rank):
+        self.rank = rank
+        self._own = None
+        self._shared = None
+
+    def __enter__(self):
+        self._shared = _states()
+        if self._own is None:
+            # Seeded from the shared stream (without consuming it), so the
+            # masks follow the user's seed as on one device.
+            base = int(torch.randint(0, 2**62, (1,)))
+            _set_states(self._shared)
+            torch.manual_seed(base + self.rank * SEED_STRIDE)
+        else:
+            _set_states(self._own)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._own = _states()
+        _set_states(self._shared)
+        self._shared = None
+        return False
