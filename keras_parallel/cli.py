@@ -23,6 +23,9 @@ SIMULATED_DEVICES = 8
 
 def _demo(args):
     os.environ["KERAS_BACKEND"] = args.backend
+    # The demo is ours to keep quiet: TensorFlow's C++ start-up lines (when
+    # it is installed, whatever the backend) say nothing about the demo.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.backend == "tensorflow":
         # oneDNN's Conv2D mis-shapes the empty per-device batch that a last
         # batch smaller than the device count leaves (449 % 32 = 1 here);

@@ -143,10 +143,10 @@ def train(
         data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)}
     elif data_kind == "pydataset":
         data = {"x": _ArraySequence(x, y, batch_size)}
-    fit_kwargs = {}
+    # Keras shuffles arrays only; asked to shuffle a loader, it warns.
+    fit_kwargs = {"shuffle": shuffle and data_kind == "numpy"}
     if data_kind == "numpy":
         fit_kwargs["batch_size"] = batch_size
-        fit_kwargs["shuffle"] = shuffle
     if with_validation:
         fit_kwargs["validation_data"] = (x[:301], y[:301])
     history = model.fit(
