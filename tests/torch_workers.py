@@ -47,13 +47,31 @@ def make_model(distributed=True, batchnorm=False, seed=3, classes=3, features=6)
     return base(inputs=inputs, outputs=outputs)
 
 
+def _row_count():
+    """A metric that sums, not averages: rows counted twice would show."""
+    keras = _keras()
+
+    class RowCount(keras.metrics.Metric):
+        def __init__(self, name="row_count", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.rows = self.add_variable((), initializer="zeros", name="rows")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.rows.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], "float32"))
+
+        def result(self):
+            return self.rows
+
+    return RowCount()
+
+
 def _compile(model, distribution=None, lr=0.1):
     keras = _keras()
     kwargs = {} if distribution is None else {"distribution": distribution}
     model.compile(
         optimizer=keras.optimizers.SGD(lr),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
+        metrics=["accuracy", _row_count()],
         **kwargs,
     )
 

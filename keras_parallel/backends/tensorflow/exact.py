@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from keras_parallel.backends.tensorflow.keras_compat import (
     BatchNormalization,
+    TensorFlowTrainer,
     tree,
 )
 from keras_parallel.backends.tensorflow.keras_compat import loss as keras_loss
@@ -228,7 +229,7 @@ def global_logs(model):
     return reduce_per_replica
 
 
-_keras_maybe_symbolic_build = keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+_keras_maybe_symbolic_build = TensorFlowTrainer._maybe_symbolic_build
 
 
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -323,7 +324,7 @@ def patched(model):
     keras_loss.scale_loss_for_distribution = scale_loss
     keras_loss.unscale_loss_for_distribution = unscale_loss
     keras_tf_trainer.reduce_per_replica = global_logs(model)
-    trainer_class = keras_tf_trainer.TensorFlowTrainer
+    trainer_class = TensorFlowTrainer
     trainer_class._maybe_symbolic_build = _maybe_symbolic_build
     keras_tf_trainer.TFEpochIterator._get_iterator = late_distribution(model)
     try:

@@ -4,7 +4,7 @@ See `keras_parallel.keras_compat` for why and how these are checked.
 Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
-from keras_parallel.keras_compat import internal
+from keras_parallel.keras_compat import find, internal, internal_any
 
 #: Keras's TensorFlow trainer. Replaced in scope (`exact.patched`):
 #: `reduce_per_replica` (global logs), `TensorFlowTrainer._maybe_symbolic_build`
@@ -13,9 +13,13 @@ from keras_parallel.keras_compat import internal
 trainer = internal(
     "keras.src.backend.tensorflow.trainer",
     "reduce_per_replica",
-    "TensorFlowTrainer._maybe_symbolic_build",
     "TFEpochIterator._get_iterator",
 )
+#: The trainer class: `TensorFlowTrainer` up to 3.15, `Trainer` from 3.16.
+TensorFlowTrainer = internal_any(
+    "keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "Trainer"
+)
+find(TensorFlowTrainer, "_maybe_symbolic_build", "TensorFlowTrainer")
 #: Keras's per-replica loss scaling; replaced in scope by exact weights.
 loss = internal(
     "keras.src.losses.loss",

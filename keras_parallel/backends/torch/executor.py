@@ -23,7 +23,6 @@ spans one device and `fit` is plain Keras, after one info line.
 
 import contextlib
 import random
-import warnings
 
 import numpy as np
 import torch
@@ -32,7 +31,6 @@ import torch.distributed as dist
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.chief import ChiefOnlyCallbacks, chief_only_saving
-from keras_parallel.backends.torch.keras_compat import TorchTrainer
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import DDPModule, RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
@@ -40,15 +38,6 @@ from keras_parallel.errors import ShardingError
 from keras_parallel.keras_compat import print_msg
 
 _SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
-
-
-def keras_wraps_ddp():
-    """Whether the installed Keras wraps the model in DDP itself.
-
-    Keras's development branch does (`TorchTrainer._setup_ddp`); then this
-    executor must not wrap it a second time.
-    """
-    return any("ddp" in name.lower() for name in dir(TorchTrainer))
 
 
 class TorchExecutor(Executor):
@@ -138,15 +127,9 @@ class TorchExecutor(Executor):
                 )
             return
         self._fold_rank_into_seeds(model)
-        if keras_wraps_ddp():
-            warnings.warn(
-                "This Keras wraps the model in DistributedDataParallel "
-                "itself; keras_parallel does not wrap it again.",
-                stacklevel=2,
-            )
-        else:
-            self._ddp = None  # Drop the old wrapper before making the new.
-            self._ddp = self._make_ddp(model)
+        self._ddp = None  # Drop the old wrapper before making the new.
+        self._ddp = self._make_ddp(model)
+        _keras_ddp_off(model)
         if self._steps is None:
             self._steps = RankSteps(
                 model, self._ddp, self.num_processes, self.process_index
@@ -229,6 +212,7 @@ class TorchExecutor(Executor):
 
     def release(self, model):
         self._close_ddp()
+        _keras_ddp_off(model, off=False)
         if self._undo_saving is not None:
             self._undo_saving()
             self._undo_saving = None
@@ -280,3 +264,22 @@ class TorchExecutor(Executor):
     def barrier(self):
         if self.num_processes > 1:
             dist.barrier()
+
+
+def _keras_ddp_off(model, off=True):
+    """Stops Keras 3.16+ from wrapping the model in its own DDP (or undoes it).
+
+    With a process group, Keras's torch trainer (3.16+) wraps the whole model
+    in `DistributedDataParallel` when it makes a step function, unless
+    `model.ddp_model` is not None, and then calls `model.ddp_model or model`.
+    `False` keeps the forward pass on the model's own `__call__` (through
+    which `RankSteps` routes our DDP): gradients reduced once, not twice; the
+    rank-folded seed states not overwritten by DDP's broadcast; the step on
+    `loss.backward()`, as in Keras 3.15, which has no `ddp_model`. Set for
+    the model's whole distributed life: Keras may make a step function before
+    an entry point's scope is entered.
+    """
+    if off and hasattr(model, "ddp_model"):
+        object.__setattr__(model, "ddp_model", False)
+    elif not off and getattr(model, "ddp_model", None) is False:
+        object.__setattr__(model, "ddp_model", None)

@@ -4,13 +4,21 @@ See `keras_parallel.keras_compat` for why and how these are checked.
 Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
-from keras_parallel.keras_compat import internal, internal_any
+from keras_parallel.keras_compat import internal
 
-#: Keras's torch trainer class: `TorchTrainer` up to 3.15, `Trainer` in the
-#: development build, which also wraps the model in DDP itself.
-TorchTrainer = internal_any(
-    "keras.src.backend.torch.trainer", "TorchTrainer", "Trainer"
-)
+#: Keras's torch trainer module. Up to 3.15 its class is `TorchTrainer`;
+#: from 3.16 (keras-nightly) it is `Trainer`, wraps the model in its own DDP
+#: unless `model.ddp_model` is set (the executor sets it to False), and sums
+#: the metric states over ranks in `get_metrics_result` (`steps` reads them
+#: through the base trainer's method instead). `None` before 3.16.
+_trainer = internal("keras.src.backend.torch.trainer")
+torch_trainer_with_ddp = getattr(_trainer, "Trainer", None)
+if torch_trainer_with_ddp is not None:
+    internal(
+        "keras.src.backend.torch.trainer",
+        "Trainer.get_metrics_result",
+        "Trainer._initialize_ddp",
+    )
 #: Keras's nested-structure utilities (flatten / map_structure).
 tree = internal("keras.src.tree", "flatten", "map_structure")
 #: `CallbackList.on_train_begin` / `on_test_begin` are replaced in scope to

@@ -46,7 +46,10 @@ from keras_parallel.backends.torch.batches import (
     slice_rows,
     split_rows,
 )
-from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.keras_compat import (
+    torch_trainer_with_ddp,
+    tree,
+)
 from keras_parallel.backends.torch.random_stream import RankRandomStream
 
 
@@ -56,8 +59,8 @@ class DDPModule(torch.nn.Module):
     DDP broadcasts rank 0's values of the registered parameters when it is
     made and averages the gradients of the trainable ones. Only floating
     parameters are registered: the integer seed-generator states stay per
-    rank (gloo cannot broadcast them, and each rank should draw its own
-    dropout masks).
+    rank (each rank draws its own dropout masks from its rank-folded seeds;
+    a broadcast would make them rank 0's).
 
     Args:
         model: the Keras model (a `torch.nn.Module` on this backend).
@@ -85,8 +88,7 @@ class RankSteps:
 
     Args:
         model: the Keras model.
-        ddp: the `DistributedDataParallel` of `DDPModule(model)`, or `None`
-            to run the forward pass without it (Keras wraps it itself).
+        ddp: the `DistributedDataParallel` of `DDPModule(model)`.
         world_size: the number of ranks.
         rank: this rank.
     """
@@ -127,7 +129,7 @@ class RankSteps:
             "test_step": model.test_step,
             "predict_step": model.predict_step,
         }
-        self._original_metrics_result = model.get_metrics_result
+        self._original_metrics_result = _local_metrics_result(model)
         # object.__setattr__: Keras's and torch's __setattr__ would track or
         # register these functions; they are plain per-instance overrides.
         object.__setattr__(
@@ -347,6 +349,27 @@ class RankSteps:
                 n = v.value.numel()
                 v.value.copy_(flat[offset : offset + n].reshape(v.value.shape))
                 offset += n
+
+
+def _local_metrics_result(model):
+    """`model.get_metrics_result`, without Keras 3.16+'s sum over ranks.
+
+    Keras's torch trainer (3.16+) all-reduces the metric states in
+    `get_metrics_result` whenever a process group exists. `RankSteps` makes
+    them global itself (only when read, a whole-batch tail counted once), so
+    Keras's sum would count every row once per rank, and cost an all-reduce
+    per metric variable per step. The base trainer's method reads the states
+    as they are, as in Keras 3.15. A subclass's own `get_metrics_result` is
+    left alone.
+    """
+    keras_trainer = torch_trainer_with_ddp
+    if (
+        keras_trainer is not None
+        and "get_metrics_result" not in model.__dict__
+        and type(model).get_metrics_result is keras_trainer.get_metrics_result
+    ):
+        return super(keras_trainer, model).get_metrics_result
+    return model.get_metrics_result
 
 
 def _check_same_batches(extra, rank, rows):
