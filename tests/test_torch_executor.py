@@ -340,24 +340,23 @@ def test_guide_convnet_reaches_90_percent_through_launch():
     assert accuracies[0] >= 0.90
 
 
-@pytest.mark.slow
-def test_guide_convnet_reaches_90_percent_from_torchrun_environment():
-    # What torchrun gives each process: the env vars, nothing else (rank 0
-    # hosts the store, as without torchrun's agent).
+def _run_with_torchrun_environment(code, world=2, cwd=None):
+    """Runs `code` in `world` processes given what torchrun gives each one:
+    the environment variables, nothing else (rank 0 hosts the store, as
+    without torchrun's agent). Returns each rank's stdout.
+    """
     import os
     import subprocess
     import sys
 
+    import keras_parallel as package
     from keras_parallel.launcher.processes import free_port
 
     port = free_port()
     here = os.path.dirname(__file__)
-    code = (
-        "import torch_workers as w; "
-        f"print('ACCURACY', w.digits_accuracy({DIGITS_EPOCHS}, 32))"
-    )
+    root = os.path.dirname(os.path.dirname(package.__file__))
     processes = []
-    for rank in range(2):
+    for rank in range(world):
         env = dict(
             os.environ,
             KERAS_BACKEND="torch",
@@ -365,10 +364,10 @@ def test_guide_convnet_reaches_90_percent_from_torchrun_environment():
             MASTER_PORT=str(port),
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
+            WORLD_SIZE=str(world),
             OMP_NUM_THREADS="1",
             KERAS_PARALLEL_TIMEOUT="60",
-            PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            PYTHONPATH=os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")]),
         )
         processes.append(
             subprocess.Popen(
@@ -377,6 +376,7 @@ def test_guide_convnet_reaches_90_percent_from_torchrun_environment():
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                cwd=cwd,
             )
         )
     outputs = []
@@ -390,6 +390,31 @@ def test_guide_convnet_reaches_90_percent_from_torchrun_environment():
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+    return outputs
+
+
+def test_torchrun_environment_trains_as_one_process(single, tmp_path):
+    # The unchanged script under torchrun: the group comes from the
+    # environment alone, and the weights equal single-process training.
+    code = (
+        "import numpy as np, torch_workers as w; "
+        "r = w.train(steps=10); "
+        "np.save(f'weights{r[\"rank\"]}.npy', np.concatenate("
+        "[a.ravel() for a in r['weights']]))"
+    )
+    _run_with_torchrun_environment(code, cwd=tmp_path)
+    ranks = [np.load(tmp_path / f"weights{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(ranks[0], ranks[1])
+    reference = np.concatenate([a.ravel() for a in single["ten_steps"]["weights"]])
+    assert rel(ranks[0], reference) < 1e-4
+
+
+@pytest.mark.slow
+def test_guide_convnet_reaches_90_percent_from_torchrun_environment():
+    outputs = _run_with_torchrun_environment(
+        "import torch_workers as w; "
+        f"print('ACCURACY', w.digits_accuracy({DIGITS_EPOCHS}, 32))"
+    )
     accuracies = [
         float(line.split()[1])
         for out in outputs
