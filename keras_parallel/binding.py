@@ -73,7 +73,7 @@ class Binding:
             function = getattr(model, name, None)
             if function is None or getattr(function, "_kp_wrapped", False):
                 continue
-            wrapped = self.executor.wrap_step(function)
+            wrapped = self.executor.wrap_step(function, kind=name.split("_")[0])
             if wrapped is not function:
                 wrapped._kp_wrapped = True
                 setattr(model, name, wrapped)
@@ -83,14 +83,7 @@ class Binding:
         if self._announced or self.plan is None or not self.executor.is_chief:
             return
         self._announced = True
-        print_fn(
-            report.format_plan(
-                self.plan,
-                model.name,
-                backend=self.executor.backend,
-                num_processes=self.executor.num_processes,
-            )
-        )
+        print_fn(report.format_plan(self.plan, model.name, self.executor))
 
     def enter(self, model):
         """Enters the executor's scope, once for nested entry points."""

@@ -50,10 +50,14 @@ def describe(model, distribution=None):
         )
     if distribution is None:
         plan = binding.plan if binding.plan is not None else binding.resolve(model)
+        executor = binding.executor
     else:
+        from keras_parallel.backends import executor_class
+
         check_distribution(distribution)
-        plan = resolve_plan_for(distribution, model)
-    return format_plan(plan, model.name)
+        executor = executor_class()(distribution)
+        plan = resolve_plan_for(distribution, model, executor)
+    return format_plan(plan, model.name, executor)
 
 
 def _bytes(n):
@@ -67,22 +71,25 @@ def _axes(axes):
     return "(" + ", ".join("-" if a is None else a for a in axes) + ")"
 
 
-def format_plan(plan, model_name="model", backend=None, num_processes=1):
+def format_plan(plan, model_name="model", executor=None):
     """Formats a `ShardingPlan` as the table `describe` returns.
 
     Args:
         plan: a `ShardingPlan`.
         model_name: the name shown in the heading.
-        backend: the Keras backend; defaults to the running one.
-        num_processes: the processes the devices are spread over.
+        executor: the `Executor` running it, for the backend and the
+            processes; `None` for the running backend in one process.
 
     Returns:
         A string.
     """
-    if backend is None:
+    if executor is None:
         import keras
 
-        backend = keras.backend.backend()
+        backend, num_processes, owners = keras.backend.backend(), 1, None
+    else:
+        backend, num_processes = executor.backend, executor.num_processes
+        owners = executor.device_processes() if num_processes > 1 else None
     mesh = ", ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
     processes = "1 process" if num_processes == 1 else f"{num_processes} processes"
     lines = [
@@ -90,8 +97,13 @@ def format_plan(plan, model_name="model", backend=None, num_processes=1):
         f"Backend: {backend}, {plan.num_devices} devices in {processes}",
         f"Mesh: {mesh} ({plan.num_devices} devices: {', '.join(plan.devices)})",
         f"Batch: split {plan.data_parallel_size} ways along {plan.batch_axis!r}",
-        "",
     ]
+    if owners is not None:
+        held = {}
+        for device, process in zip(plan.devices, owners):
+            held.setdefault(process, []).append(device)
+        lines += [f"Process {p}: {', '.join(d)}" for p, d in sorted(held.items())]
+    lines.append("")
     header = ("Variable", "Kind", "Shape", "Dtype", "Layout", "Bytes/device", "From")
     rows = [
         (

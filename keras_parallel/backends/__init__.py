@@ -8,7 +8,6 @@ library of its own.
 
 import importlib
 
-import keras
 import numpy as np
 
 from keras_parallel.plan import resolve_plan
@@ -32,7 +31,12 @@ def executor_class(backend=None):
     Raises:
         NotImplementedError: keras_parallel has no executor for the backend.
     """
-    backend = backend or keras.backend.backend()
+    if backend is None:
+        # Imported here: the launcher imports this package before any
+        # backend may start (the JAX runtime must be first).
+        import keras
+
+        backend = keras.backend.backend()
     if backend not in _MODULES:
         raise NotImplementedError(
             f"keras_parallel has no executor for the {backend!r} backend. "

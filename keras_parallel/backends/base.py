@@ -64,6 +64,18 @@ class Executor(abc.ABC):
         """
         return [str(d).lower() for d in devices]
 
+    def device_processes(self):
+        """The process that holds each device of the mesh, in mesh order.
+
+        Returns:
+            A list of process indices, one per device; the default: one
+            device per process (torch), or all in this one.
+        """
+        count = int(self.distribution.device_mesh.devices.size)
+        if self.num_processes == count:
+            return list(range(count))
+        return [0] * count
+
     @classmethod
     def demo_main(cls, run, num_devices):
         """Runs `keras-parallel demo`'s training function on this backend.
@@ -116,7 +128,7 @@ class Executor(abc.ABC):
     def release(self, model):
         """Undoes `apply`: the model runs on one device again."""
 
-    def wrap_step(self, function):
+    def wrap_step(self, function, kind="train"):
         """Wraps a step function Keras made (`model.train_function`, ...).
 
         Called once per function, after Keras makes it and before it runs.
@@ -124,6 +136,7 @@ class Executor(abc.ABC):
 
         Args:
             function: the function Keras's trainer calls once per step.
+            kind: `"train"`, `"test"` or `"predict"`.
 
         Returns:
             The function to call instead.

@@ -1,18 +1,30 @@
-"""`keras-parallel launch`: `torchrun` (`torch.distributed.run`) by another name.
+"""`keras-parallel launch`: one command for every backend.
 
-`--nproc N` is `--nproc-per-node N`, and `--standalone` (a free local port)
-is added when no rendezvous option is given; every other torchrun option
-passes through, so its restart and rendezvous options work.
+The backend is `--backend`, else `KERAS_BACKEND`.
+
+- torch: `torchrun` (`torch.distributed.run`) by another name. `--nproc N`
+  is `--nproc-per-node N`, and `--standalone` (a free local port) is added
+  when no rendezvous option is given; every other torchrun option passes
+  through, so its restart and rendezvous options work.
+- JAX: N processes of this node, each with the environment
+  `keras.distribution.initialize()` reads, started through
+  `keras_parallel.launcher.bootstrap` (the runtime is up before the script
+  runs) and supervised by `keras_parallel.launcher.supervisor`.
 """
 
 import os
 import sys
 
 _USAGE = (
-    "usage: keras-parallel launch [--nproc N] [torchrun options] script.py "
-    "[script args]\n\nRuns script.py in N processes with "
-    "torch.distributed.run (torchrun); every torchrun option works."
+    "usage: keras-parallel launch [--backend B] [--nproc-per-node N] "
+    "[--nnodes M --node-rank R --master-addr A --master-port P] "
+    "[--devices-per-process K] script.py [script args]\n\n"
+    "Runs script.py in N processes per node, on the backend B (default: "
+    "$KERAS_BACKEND). torch: through torch.distributed.run (torchrun); every "
+    "torchrun option works. jax: through jax.distributed; "
+    "--devices-per-process K simulates K CPU devices per process."
 )
+BACKENDS = ("jax", "torch")
 
 #: The options that choose a rendezvous; without any, `launch` CLI runs
 #: torchrun `--standalone` (a free local port).
@@ -59,6 +71,11 @@ def main(argv=None):
         run.get_args_parser().print_help()
         return 0
     try:
+        backend, argv = _backend(argv)
+        if backend == "jax":
+            from keras_parallel.launcher import jax_processes
+
+            return jax_processes.main(argv)
         torchrun_args, script = _torchrun_args(argv)
         _check(torchrun_args, script)
         from torch.distributed import run
@@ -80,6 +97,32 @@ def main(argv=None):
     return 0
 
 
+def _backend(argv):
+    """The backend (`--backend`, else `$KERAS_BACKEND`) and the other args."""
+    rest = list(argv)
+    backend = None
+    for i, arg in enumerate(rest):
+        if not arg.startswith("-"):
+            break  # The script: what follows is its own.
+        if arg == "--backend" and i + 1 < len(rest):
+            backend = rest[i + 1]
+            del rest[i : i + 2]
+            break
+        if arg.startswith("--backend="):
+            backend = arg.split("=", 1)[1]
+            del rest[i]
+            break
+    backend = backend or os.environ.get("KERAS_BACKEND")
+    if backend not in BACKENDS:
+        raise ValueError(
+            "keras-parallel launch starts processes for the jax and torch "
+            f"backends. Received: backend {backend!r} (from --backend or "
+            "KERAS_BACKEND); pass --backend jax or --backend torch, or set "
+            "KERAS_BACKEND."
+        )
+    return backend, rest
+
+
 def _message(error):
     if isinstance(error, ImportError):
         return (
@@ -97,19 +140,30 @@ def _check(torchrun_args, script):
             value = value or (
                 torchrun_args[i + 1] if i + 1 < len(torchrun_args) else ""
             )
-            if value.isdigit() and int(value) < 1:
-                raise ValueError(
-                    "--nproc must be a positive number of processes. Received: "
-                    f"--nproc {value}; pass e.g. --nproc 2."
-                )
+            if value.isdigit():
+                check_positive("--nproc", int(value))
     modes = {"-m", "--module", "--no-python", "--no_python"}
+    check_script(script, torchrun_args, is_path=not modes.intersection(torchrun_args))
+
+
+def check_positive(option, value):
+    """Refuses a count below 1, naming the option."""
+    if value < 1:
+        raise ValueError(
+            f"{option} must be a positive number of processes. Received: "
+            f"{option} {value}; pass e.g. {option} 2."
+        )
+
+
+def check_script(script, argv, is_path=True):
+    """Refuses a missing script (a path that does not exist)."""
     if script is None:
         raise ValueError(
             "no script to run. Received: "
-            f"{' '.join(torchrun_args) or '(nothing)'}; write "
+            f"{' '.join(argv) or '(nothing)'}; write "
             "keras-parallel launch --nproc N train.py [args]."
         )
-    if not modes.intersection(torchrun_args) and not os.path.isfile(script):
+    if is_path and not os.path.isfile(script):
         raise ValueError(
             f"the script {script!r} does not exist. Received: {script!r} "
             f"(from {os.getcwd()}); pass the path of your training script."

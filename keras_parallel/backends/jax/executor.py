@@ -23,10 +23,12 @@ import keras
 from keras.distribution import TensorLayout
 
 from keras_parallel.backends.base import Executor
+from keras_parallel.backends.jax import processes
 from keras_parallel.backends.jax.keras_compat import (
     distribution_lib as keras_jax_distribution_lib,
 )
 from keras_parallel.backends.jax.keras_compat import trainer as keras_jax_trainer
+from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.keras_compat import Distribution
 from keras_parallel.plan import iter_planned_variables
 
@@ -49,10 +51,14 @@ class PlannedDistribution(Distribution):
     """
 
     def __init__(self, distribution, plan):
+        # Across processes every process reads the whole data set and feeds
+        # its own rows of each global batch (`distribute_batch`): Keras must
+        # not shard the data itself (it would refuse NumPy arrays).
         super().__init__(
             distribution.device_mesh,
             plan.batch_axis,
-            getattr(distribution, "auto_shard_dataset", True),
+            getattr(distribution, "auto_shard_dataset", True)
+            and not processes.is_multi_process(),
         )
         self.plan = plan
         self._output_layouts = {}
@@ -91,6 +97,7 @@ class JaxExecutor(Executor):
     def __init__(self, distribution):
         super().__init__(distribution)
         self._planned = None
+        self._undo_saving = None
 
     @classmethod
     def list_devices(cls):
@@ -102,19 +109,33 @@ class JaxExecutor(Executor):
             for d in devices
         ]
 
+    def device_processes(self):
+        mesh = self.distribution.device_mesh.backend_mesh  # jax Devices
+        return [d.process_index for d in mesh.devices.flat]
+
     def apply(self, model, plan):
         mesh = self.distribution.device_mesh
+        planned = list(iter_planned_variables(model, plan))
+        values = [variable.value for variable, _ in planned]
+        if processes.is_multi_process():
+            # Every process built its own initial weights; process 0's win,
+            # so the user need not seed every process alike.
+            values = processes.broadcast_values([processes.fetch(v) for v in values])
         moves = []
         # Place every value first and assign after: a failure leaves the
         # model's variables as they were.
-        for variable, entry in iter_planned_variables(model, plan):
+        for (variable, entry), value in zip(planned, values):
             layout = TensorLayout(entry.axes, mesh)
-            value = jax.device_put(variable.value, layout.backend_layout)
-            moves.append((variable, layout, value))
+            moves.append(
+                (variable, layout, processes.place(value, layout.backend_layout))
+            )
         for variable, layout, value in moves:
             variable._layout = layout
             variable._value = value
         self._planned = PlannedDistribution(self.distribution, plan)
+        if processes.is_multi_process() and not self.is_chief:
+            if self._undo_saving is None:
+                self._undo_saving = chief_only_saving(model)
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -126,9 +147,18 @@ class JaxExecutor(Executor):
         keras_jax_distribution_lib.distribute_data_input = distribute_batch
         if self._on_cpu():
             keras_jax_trainer.jit = _jit_without_donation
+        chief_only = None
+        if processes.is_multi_process():
+            # One shuffle for all processes: process 0's.
+            processes.share_host_random_state()
+            if not self.is_chief:
+                chief_only = ChiefOnlyCallbacks()
+                chief_only.install()
         try:
             yield
         finally:
+            if chief_only is not None:
+                chief_only.uninstall()
             keras_jax_trainer.jit = _keras_jit
             keras_jax_distribution_lib.distribute_data_input = (
                 _keras_distribute_data_input
@@ -139,7 +169,9 @@ class JaxExecutor(Executor):
         names = self.device_names(self.distribution.device_mesh.devices.flatten())
         return len(names) > 1 and all(name.startswith("cpu") for name in names)
 
-    def wrap_step(self, function):
+    def wrap_step(self, function, kind="train"):
+        if kind == "predict" and processes.is_multi_process():
+            function = _gathered_predictions(function)
         if not self._on_cpu():
             return function
 
@@ -158,12 +190,15 @@ class JaxExecutor(Executor):
         return one_step_at_a_time
 
     def release(self, model):
+        if self._undo_saving is not None:
+            self._undo_saving()
+            self._undo_saving = None
         device = jax.devices()[0]
         for variable in model.variables + _optimizer_and_metric_variables(model):
             if getattr(variable, "_layout", None) is None:
                 continue
             variable._layout = None
-            variable._value = jax.device_put(variable.value, device)
+            variable._value = jax.device_put(processes.fetch(variable.value), device)
         self._planned = None
 
     @property
@@ -173,6 +208,20 @@ class JaxExecutor(Executor):
     @property
     def process_index(self):
         return jax.process_index()
+
+
+def _gathered_predictions(function):
+    """Keras's predict step, its predictions whole on every process.
+
+    Across processes the predictions are split over the data axis, so no
+    process could read them; Keras's predict loop reads them on the host.
+    """
+
+    def gathered(*args, **kwargs):
+        outputs, state = function(*args, **kwargs)
+        return jax.tree_util.tree_map(processes.fetch, outputs), state
+
+    return gathered
 
 
 def _wait_for_step(outputs):
@@ -223,6 +272,10 @@ def distribute_batch(per_process_batch, layout, batch_dim_name):
             sharding = jax.sharding.NamedSharding(
                 sharding.mesh, jax.sharding.PartitionSpec()
             )
+    if processes.is_multi_process():
+        # Every process holds the whole global batch (the same data, the
+        # same shuffle); each transfers only its own devices' rows.
+        return processes.place(per_process_batch, sharding)
     return _keras_distribute_data_input(per_process_batch, sharding, batch_dim_name)
 
 

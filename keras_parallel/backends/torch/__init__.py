@@ -5,7 +5,6 @@
 - `steps`: what each rank does inside one Keras step (slice, DDP, metrics).
 - `batches`: cutting a global batch into per-rank rows.
 - `step_logs`: when metrics are made global (per step or per epoch).
-- `chief`: callbacks and saving on rank 0 only.
 - `sync_bn`: BatchNormalization over the global batch.
 - `keras_compat`: every Keras internal this backend reads or patches.
 """

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import group as torch_group
-from keras_parallel.backends.torch.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import DDPModule, RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
+from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
 from keras_parallel.keras_compat import print_msg
 

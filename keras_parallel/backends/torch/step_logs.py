@@ -21,7 +21,7 @@ from keras_parallel.backends.torch.keras_compat import CallbackList, is_default
 
 _STEP_HOOKS = ("on_batch_end", "on_train_batch_end", "on_test_batch_end")
 
-# Silenced on ranks other than 0 (`torch_chief`), so their hooks differ
+# Silenced on ranks other than 0 (`keras_parallel.chief`), so their hooks differ
 # between ranks: judged by class, conservatively, never by their hooks.
 _RANK_ZERO_WRITERS = (
     keras_callbacks.ModelCheckpoint,

@@ -1,0 +1,104 @@
+"""What the JAX executor does differently when several processes run.
+
+With `jax.distributed` (started by `keras-parallel launch` or
+`keras.distribution.initialize()`), one mesh spans the devices of every
+process, and each process runs the user's unchanged script over the same
+data. Four things then need the other processes:
+
+- `broadcast_values`: process 0's initial weights on every process, so the
+  user need not seed every process alike.
+- `place`: an array every process holds whole (a weight, a global batch)
+  laid out on the global mesh, each process transferring only the shards of
+  its own devices: its rows of each global batch.
+- `share_host_random_state`: process 0's NumPy and Python random state on
+  every process, so that all draw the same shuffle.
+- `fetch`: a global array's whole value on every process (predictions, and
+  weights split over processes).
+
+In one process each is what one process would do, without a collective.
+"""
+
+import pickle
+import random
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def is_multi_process():
+    """Whether `jax.distributed` joined several processes."""
+    return jax.process_count() > 1
+
+
+def broadcast_values(values):
+    """Process 0's values on every process.
+
+    Args:
+        values: a list of NumPy arrays (the same shapes on every process).
+
+    Returns:
+        The list, with process 0's contents.
+    """
+    if not is_multi_process() or not values:
+        return values
+    return list(multihost_utils.broadcast_one_to_all(list(values)))
+
+
+def place(value, sharding):
+    """Lays out a value that every process holds whole.
+
+    Args:
+        value: a NumPy array (or anything `np.asarray` takes) with the same
+            contents on every process.
+        sharding: a `jax.sharding.Sharding` over the (global) mesh.
+
+    Returns:
+        A `jax.Array` of `value`'s global shape.
+    """
+    if not is_multi_process():
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def share_host_random_state():
+    """Gives every process process 0's NumPy and Python random state.
+
+    Keras's array iterator draws each epoch's permutation from NumPy's
+    global state, its PyDataset adapter from Python's: every process must
+    draw the same one, the one a single process seeded as process 0 would.
+    """
+    if not is_multi_process():
+        return
+    payload = pickle.dumps((np.random.get_state(), random.getstate()))
+    if len(payload) > _STATE_BYTES:
+        raise RuntimeError(f"random state of {len(payload)} bytes")
+    buffer = np.zeros(_STATE_BYTES, np.uint8)
+    buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
+    buffer, length = multihost_utils.broadcast_one_to_all(
+        (buffer, np.asarray(len(payload), np.int32))
+    )
+    numpy_state, python_state = pickle.loads(bytes(np.asarray(buffer)[: int(length)]))
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+
+
+# NumPy's and Python's Mersenne states, pickled, fit well within this.
+_STATE_BYTES = 32768
+
+
+def fetch(value):
+    """The whole value of a (possibly process-spanning) array, on the host.
+
+    Args:
+        value: a `jax.Array`, or anything else (returned unchanged).
+
+    Returns:
+        A NumPy array.
+    """
+    if not isinstance(value, jax.Array):
+        return value
+    if value.is_fully_addressable or value.is_fully_replicated:
+        return np.asarray(value)
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))

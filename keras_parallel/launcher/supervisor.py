@@ -1,0 +1,96 @@
+"""Runs the processes of one node and ends them together.
+
+`keras-parallel launch` for JAX starts its processes here (torch has
+torchrun's elastic agent). The rules:
+
+- every process runs to its end; the launcher exits 0 if all exit 0;
+- the first process that fails is named with its exit code, the others get
+  `FAILURE_GRACE_S` to stop by themselves (they usually fail at their next
+  collective), then SIGTERM, then SIGKILL: nothing is left behind;
+- SIGTERM or Ctrl-C to the launcher is passed on to every process, with the
+  same escalation.
+"""
+
+import signal
+import subprocess
+import sys
+import time
+
+#: Seconds the other processes get to stop by themselves after one failed.
+FAILURE_GRACE_S = 10.0
+#: Seconds between SIGTERM and SIGKILL.
+TERMINATE_GRACE_S = 10.0
+
+
+def supervise(commands, label="process"):
+    """Starts one process per `(argv, env)` and waits for all of them.
+
+    Args:
+        commands: a list of `(argv, env)`, one per process, in rank order.
+        label: what the messages call a process.
+
+    Returns:
+        0, the first failed process's exit code (1 if a signal ended it),
+        or 128 + the signal number if the launcher was stopped by one.
+    """
+    processes = [subprocess.Popen(argv, env=env) for argv, env in commands]
+    stopped = []
+
+    def stop(signum, frame):
+        stopped.append(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _wait(processes, stopped, label)
+    finally:
+        _end(processes)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _wait(processes, stopped, label):
+    failed_at = None
+    failure = None
+    while True:
+        if stopped:
+            print(
+                f"keras-parallel launch: stopped by signal {stopped[0]}; "
+                f"ending every {label}.",
+                file=sys.stderr,
+            )
+            return 128 + stopped[0]
+        codes = [p.poll() for p in processes]
+        if failure is None:
+            for rank, code in enumerate(codes):
+                if code not in (None, 0):
+                    failure = (rank, code)
+                    failed_at = time.monotonic()
+                    print(
+                        f"keras-parallel launch: {label} {rank} failed with exit "
+                        f"code {code} (its traceback is above); ending the others.",
+                        file=sys.stderr,
+                    )
+                    break
+        if all(code is not None for code in codes):
+            break
+        if failure is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+            break
+        time.sleep(0.1)
+    if failure is None:
+        return 0
+    code = failure[1]
+    return code if code > 0 else 1
+
+
+def _end(processes):
+    """SIGTERM, then SIGKILL, whatever still runs; waits for every one."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,121 @@
+"""The training script the multi-process JAX tests launch, one per process.
+
+`python jax_processes_script.py OUT CASE` trains the small model under CASE
+and writes, per process, its weights (whole, gathered), its rows of a
+global batch, its logs and its `describe()` to OUT. Each process builds its
+model from another seed: only process 0's initial weights may count. The
+tests import `build` and `train` to make the one-process references.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+
+import keras_parallel
+
+CASES = (
+    "data_parallel_one_step",
+    "data_parallel_epoch",
+    "model_parallel_one_step",
+    "model_parallel_epoch",
+    "fail",
+)
+
+
+class Net(keras_parallel.DistributedModel, keras.Model):
+    pass
+
+
+def distribution(case):
+    """The case's distribution over every device of every process."""
+    if case.startswith("model_parallel"):
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["d1/kernel"] = (None, "model")
+        layout_map["d2/output"] = ("data", None)
+        return keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="data"
+        )
+    return keras_parallel.DataParallel()
+
+
+def build(case, seed, distributed=True):
+    """The small model, compiled (with the case's distribution)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    if case == "fail":
+        x = keras.layers.BatchNormalization(name="bn")(x)
+    model = Net(inputs=inputs, outputs=keras.layers.Dense(8, name="d2")(x), name="net")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        distribution=distribution(case) if distributed else None,
+    )
+    return model
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1003, 16)).astype("float32")
+    y = rng.normal(size=(1003, 8)).astype("float32")
+    return x, y
+
+
+def train(model, case, callbacks=()):
+    """One step, or one shuffled epoch of 1003 samples (a 43-row last batch)."""
+    x, y = data()
+    one_step = case.endswith("one_step")
+    return model.fit(
+        x,
+        y,
+        batch_size=64,
+        epochs=1,
+        steps_per_epoch=1 if one_step else None,
+        shuffle=not one_step,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+
+
+def main(out, case):
+    import jax
+
+    from keras_parallel.backends.jax import processes
+    from keras_parallel.backends.jax.executor import distribute_batch
+
+    process = jax.process_index()
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if case == "fail" and process == 1 and batch == 3:
+                raise ValueError("boom on process 1")
+
+    np.random.seed(5 + process)  # The shuffle must still be process 0's.
+    model = build(case, seed=1 + process)
+    history = train(model, case, callbacks=[Boom()])
+    weights = [processes.fetch(v.value) for v in model.weights]
+    np.savez(os.path.join(out, f"weights{process}.npz"), *weights)
+    # Which rows of a 64-row global batch this process's devices hold.
+    layout = model._kp_binding.executor._planned.get_data_layout((64, 16))
+    batch = distribute_batch(data()[0][:64], layout.backend_layout, "data")
+    rows = sorted({i for s in batch.addressable_shards for i in range(64)[s.index[0]]})
+    kernel = model.get_layer("d1").kernel.value
+    info = {
+        "rows": rows,
+        "loss": history.history["loss"],
+        "describe": keras_parallel.describe(model),
+        "kernel_shards": [list(s.data.shape) for s in kernel.addressable_shards],
+        "devices": len(jax.devices()),
+        "local_devices": len(jax.local_devices()),
+    }
+    with open(os.path.join(out, f"info{process}.json"), "w") as f:
+        json.dump(info, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

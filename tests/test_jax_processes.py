@@ -1,0 +1,192 @@
+"""Several JAX processes: `keras-parallel launch --backend jax`, as a user runs it.
+
+2 processes x 4 simulated CPU devices form one 8-device mesh over
+`jax.distributed` (gloo). Every process runs `tests/jax_processes_script.py`
+unchanged; the weights must equal the one-process 8-device run and
+single-device training, agree on every process, and each process must have
+fed only its own rows. Each launch has a hard timeout and its own session,
+killed whole if it runs over; no process may be left.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX processes (tox -e jax)"
+)
+
+if keras.backend.backend() == "jax":
+    import jax_processes_script as script
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT_S = 240
+
+
+def launch(out, case, *options):
+    import keras_parallel
+
+    root = os.path.dirname(os.path.dirname(keras_parallel.__file__))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="jax",
+        PYTHONPATH=os.pathsep.join([root, HERE, os.environ.get("PYTHONPATH", "")]),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "keras_parallel.cli",
+        "launch",
+        "--backend",
+        "jax",
+        "--nproc-per-node",
+        "2",
+        "--devices-per-process",
+        "4",
+        *options,
+        os.path.join(HERE, "jax_processes_script.py"),
+        str(out),
+        case,
+    ]
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def running(marker):
+    """PIDs whose command line mentions `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def results(out):
+    weights = []
+    infos = []
+    for process in (0, 1):
+        with np.load(os.path.join(out, f"weights{process}.npz")) as f:
+            weights.append([f[k] for k in sorted(f.files, key=lambda k: int(k[4:]))])
+        with open(os.path.join(out, f"info{process}.json")) as f:
+            infos.append(json.load(f))
+    return weights, infos
+
+
+def reference(case, distributed):
+    model = script.build(case, seed=1, distributed=distributed)
+    script.train(model, case)
+    return [np.asarray(v.value) for v in model.weights]
+
+
+def max_rel(a_weights, b_weights):
+    return max(
+        float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-12)
+        for a, b in zip(a_weights, b_weights)
+    )
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every equivalence case, each launched once."""
+    out = {}
+    for case in script.CASES[:-1]:
+        directory = tmp_path_factory.mktemp(case)
+        result = launch(directory, case)
+        assert result.returncode == 0, result.stderr[-4000:]
+        out[case] = results(directory)
+    return out
+
+
+@pytest.mark.parametrize("case", script.CASES[:-1])
+def test_weights_equal_one_process_and_one_device(launched, case):
+    weights, _ = launched[case]
+    for a, b in zip(weights[0], weights[1]):
+        np.testing.assert_array_equal(a, b)  # Every process: one model.
+    tolerance = 1e-5 if case.endswith("one_step") else 1e-4
+    assert max_rel(weights[0], reference(case, distributed=True)) < tolerance
+    assert max_rel(weights[0], reference(case, distributed=False)) < tolerance
+    initial = [np.asarray(v.value) for v in script.build(case, seed=1).weights]
+    assert max_rel(weights[0], initial) > 1e-3  # Training did something.
+
+
+@pytest.mark.parametrize("case", ["data_parallel_epoch", "model_parallel_epoch"])
+def test_each_process_feeds_only_its_rows(launched, case):
+    _, infos = launched[case]
+    assert infos[0]["rows"] == list(range(32))
+    assert infos[1]["rows"] == list(range(32, 64))
+    assert infos[0]["loss"] == infos[1]["loss"]
+
+
+def test_describe_shows_the_global_mesh(launched):
+    _, infos = launched["data_parallel_epoch"]
+    for info in infos:
+        assert info["devices"] == 8 and info["local_devices"] == 4
+        assert "Backend: jax, 8 devices in 2 processes" in info["describe"]
+        assert "Mesh: batch=8 (8 devices" in info["describe"]
+        held = {
+            line.split(":", 1)[0]: line.split(":", 1)[1].split(",")
+            for line in info["describe"].splitlines()
+            if line.startswith("Process ")
+        }
+        assert sorted(held) == ["Process 0", "Process 1"]
+        assert len(held["Process 0"]) == len(held["Process 1"]) == 4
+        assert not set(held["Process 0"]) & set(held["Process 1"])
+
+
+def test_model_parallel_splits_the_kernel_within_each_process(launched):
+    _, infos = launched["model_parallel_epoch"]
+    for info in infos:
+        # d1/kernel (16, 32) split 4 ways over `model`, on 4 local devices.
+        assert info["kernel_shards"] == [[16, 8]] * 4
+        assert "d1/kernel" in info["describe"] and "(-, model)" in info["describe"]
+
+
+def test_a_process_that_raises_ends_every_process(tmp_path):
+    start = time.monotonic()
+    result = launch(tmp_path, "fail")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "ValueError: boom on process 1" in result.stderr
+    assert "process 1 failed with exit code 1" in result.stderr
+    assert elapsed < 60, elapsed
+    assert running(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node must be a positive number"),
+        (["--nnodes", "2"], "several nodes need one coordinator port"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be in [0, 2)"),
+    ],
+)
+def test_bad_launch_options_name_the_fix(tmp_path, options, message):
+    result = launch(tmp_path, "data_parallel_one_step", *options)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not list(tmp_path.iterdir())  # Nothing ran, nothing written.
