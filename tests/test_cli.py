@@ -79,18 +79,28 @@ def test_demo_trains_on_two_devices_and_prints_the_plan():
 def test_launch_refuses_zero_processes(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('ran')\n")
-    result = _run("launch", "--nproc", "0", str(script))
+    result = _run("launch", "--backend", "torch", "--nproc", "0", str(script))
     assert result.returncode == 2
     assert "--nproc must be a positive number of processes" in result.stderr
     assert "Traceback" not in result.stderr and "ran" not in result.stdout
 
 
 def test_launch_names_a_missing_script_once(tmp_path):
-    result = _run("launch", "--nproc", "2", "no_such_train.py", cwd=tmp_path)
+    result = _run(
+        "launch", "--backend", "torch", "--nproc", "2", "no_such_train.py", cwd=tmp_path
+    )
     assert result.returncode == 2
     assert result.stderr.count("no_such_train.py") == 2  # script, received
     assert result.stderr.count("does not exist") == 1
     assert "Traceback" not in result.stderr
+
+
+def test_launch_needs_a_backend_it_can_launch(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    result = _run("launch", "--backend", "numpy", "--nproc", "2", str(script))
+    assert result.returncode == 2
+    assert "pass --backend jax or --backend torch" in result.stderr
 
 
 def test_launch_help_works_with_or_without_torch():
