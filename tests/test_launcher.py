@@ -163,7 +163,7 @@ def _processes_running(marker):
     return found
 
 
-def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60):
+def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60, launch_options=None):
     """Runs `keras-parallel launch --nproc 2 train.py` to its end.
 
     In a session of its own, so that on a timeout the launcher and every
@@ -189,8 +189,7 @@ def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60):
         "-m",
         "keras_parallel.cli",
         "launch",
-        "--nproc",
-        "2",
+        *(launch_options or ["--nproc", "2"]),
         str(script),
         str(tmp_path),
         *extra,
@@ -217,6 +216,36 @@ def test_cli_runs_a_script_in_n_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert lines[0] == lines[1] and lines[0].startswith("2 ")
+
+
+def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path):
+    # Two launcher invocations and one rendezvous stand in for two hosts.
+    import threading
+
+    from keras_parallel.launcher import free_port
+
+    one_node = tmp_path / "one"
+    one_node.mkdir()
+    assert _run_cli(one_node).returncode == 0
+    port = str(free_port())
+    results = {}
+
+    def node(rank):
+        options = ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"]
+        options += ["--master-addr", "127.0.0.1", "--master-port", port]
+        directory = tmp_path / f"node{rank}"
+        directory.mkdir()
+        results[rank] = _run_cli(directory, launch_options=options)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(200)
+    for rank in (0, 1):
+        assert results[rank].returncode == 0, results[rank].stderr[-3000:]
+    lines = [(tmp_path / f"node{r}" / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert lines[0] == lines[1] == (one_node / "rank0.txt").read_text()
 
 
 def test_cli_exits_with_the_failed_ranks_exit_code(tmp_path):
