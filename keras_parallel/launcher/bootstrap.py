@@ -1,13 +1,16 @@
 """`python -m keras_parallel.launcher.bootstrap script.py [args]`.
 
-What `keras-parallel launch` runs in each JAX process it starts: start the
-multi-process runtime from the environment (`jax.distributed`, through
-`keras.distribution.initialize()`), then run the user's unchanged script as
-`__main__`.
+What `keras-parallel launch` runs in each process it starts, before the
+user's unchanged script (run as `__main__`):
 
-A process whose script raises prints the traceback under its process
-number and exits at once: the runtime's exit would wait for the other
-processes at a barrier they may never reach.
+- JAX: start the multi-process runtime from the environment
+  (`jax.distributed`, through `keras.distribution.initialize()`). A process
+  whose script raises prints the traceback under its process number and
+  exits at once: the runtime's exit would wait for the other processes at a
+  barrier they may never reach.
+- torch (under torchrun): run the script under torch's `record`, which
+  leaves the exception in torchrun's error file, so that the launcher can
+  tell the rank that failed first from the ranks that stopped because of it.
 """
 
 import os
@@ -21,6 +24,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         raise SystemExit("usage: python -m keras_parallel.launcher.bootstrap script.py")
+    if os.environ.get("KERAS_BACKEND") == "torch":
+        return _run_torch(argv)
     from keras_parallel.backends.jax import runtime
 
     process = os.environ.get(runtime.ID_ENV, "0")
@@ -41,6 +46,17 @@ def main(argv=None):
         print(f"keras-parallel: process {process} failed:", file=sys.stderr)
         traceback.print_exc()
         _exit(1)
+
+
+def _run_torch(argv):
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def run():
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+
+    run()
 
 
 def _exit(code):

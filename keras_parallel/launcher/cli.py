@@ -78,6 +78,8 @@ def main(argv=None):
             return jax_processes.main(argv)
         torchrun_args, script = _torchrun_args(argv)
         _check(torchrun_args, script)
+        torchrun_args = _through_bootstrap(torchrun_args, script)
+        os.environ["KERAS_BACKEND"] = "torch"
         from torch.distributed import run
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     except (ValueError, ImportError) as error:
@@ -86,7 +88,7 @@ def main(argv=None):
     try:
         run.run(run.parse_args(torchrun_args))
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank, failure = _first_cause(error)
         print(
             f"keras-parallel launch: rank {rank} failed with exit code "
             f"{failure.exitcode} (its traceback is above).",
@@ -95,6 +97,33 @@ def main(argv=None):
         # The rank's own exit code (sys.exit(3) gives 3); a signal, 1.
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def _through_bootstrap(torchrun_args, script):
+    """Runs the script through `keras_parallel.launcher.bootstrap` (`-m`)."""
+    modes = {"-m", "--module", "--no-python", "--no_python"}
+    if modes.intersection(torchrun_args):
+        return torchrun_args  # The user's own module or program.
+    at = torchrun_args.index(script)
+    return (
+        torchrun_args[:at]
+        + ["-m", "keras_parallel.launcher.bootstrap"]
+        + (torchrun_args[at:])
+    )
+
+
+def _first_cause(error):
+    """The rank that failed first, not one that stopped because of it.
+
+    torchrun orders failures by a timestamp of whole seconds; a rank that
+    raised `PeerFailedError` (its error file says so) stopped because of
+    another, so it comes last.
+    """
+    failures = error.failures
+    causes = [r for r, f in failures.items() if "PeerFailedError" not in str(f.message)]
+    ranks = causes or list(failures)
+    rank = min(ranks, key=lambda r: (failures[r].timestamp, r))
+    return rank, failures[rank]
 
 
 def _backend(argv):
