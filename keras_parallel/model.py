@@ -132,6 +132,20 @@ class DistributedModel:
 
         saving.restore_distribution(self, dir_path)
 
+    def get_weights(self):
+        """`keras.Model.get_weights`, whole on every process.
+
+        Across JAX processes a variable split over devices of several
+        processes is gathered; elsewhere this is Keras's own.
+
+        Returns:
+            A list of NumPy arrays.
+        """
+        binding = getattr(self, "_kp_binding", None)
+        if binding is None:
+            return super().get_weights()
+        return [binding.executor.host_value(v.value) for v in self.weights]
+
     def __setattr__(self, name, value):
         # Keras's JAX `fit` stores its step state in `_jax_state` after every
         # step, and Layer.__setattr__ walks every value it is given for

@@ -85,7 +85,6 @@ def train(model, case, callbacks=()):
 def main(out, case):
     import jax
 
-    from keras_parallel.backends.jax import processes
     from keras_parallel.backends.jax.executor import distribute_batch
 
     process = jax.process_index()
@@ -98,8 +97,14 @@ def main(out, case):
     np.random.seed(5 + process)  # The shuffle must still be process 0's.
     model = build(case, seed=1 + process)
     history = train(model, case, callbacks=[Boom()])
-    weights = [processes.fetch(v.value) for v in model.weights]
+    weights = model.get_weights()  # Whole on every process.
     np.savez(os.path.join(out, f"weights{process}.npz"), *weights)
+    x, y = data()
+    np.save(
+        os.path.join(out, f"predictions{process}.npy"),
+        model.predict(x[:203], batch_size=64, verbose=0),
+    )
+    evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
     # Which rows of a 64-row global batch this process's devices hold.
     layout = model._kp_binding.executor._planned.get_data_layout((64, 16))
     batch = distribute_batch(data()[0][:64], layout.backend_layout, "data")
@@ -108,6 +113,7 @@ def main(out, case):
     info = {
         "rows": rows,
         "loss": history.history["loss"],
+        "evaluation": {k: float(v) for k, v in evaluation.items()},
         "describe": keras_parallel.describe(model),
         "kernel_shards": [list(s.data.shape) for s in kernel.addressable_shards],
         "devices": len(jax.devices()),

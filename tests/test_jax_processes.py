@@ -119,6 +119,7 @@ def launched(tmp_path_factory):
         result = launch(directory, case)
         assert result.returncode == 0, result.stderr[-4000:]
         out[case] = results(directory)
+        out[case + "/dir"] = str(directory)
     return out
 
 
@@ -140,6 +141,23 @@ def test_each_process_feeds_only_its_rows(launched, case):
     assert infos[0]["rows"] == list(range(32))
     assert infos[1]["rows"] == list(range(32, 64))
     assert infos[0]["loss"] == infos[1]["loss"]
+
+
+@pytest.mark.parametrize("case", ["data_parallel_epoch", "model_parallel_epoch"])
+def test_predict_and_evaluate_are_whole_on_every_process(launched, case):
+    _, infos = launched[case]
+    directory = launched[case + "/dir"]
+    model = script.build(case, seed=1, distributed=True)
+    script.train(model, case)
+    x, y = script.data()
+    expected = model.predict(x[:203], batch_size=64, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    for process in (0, 1):
+        predictions = np.load(os.path.join(directory, f"predictions{process}.npy"))
+        assert predictions.shape == (203, 8)  # In input order, uneven tail.
+        np.testing.assert_allclose(predictions, expected, atol=1e-5)
+        for key, value in evaluation.items():
+            assert infos[process]["evaluation"][key] == pytest.approx(value, rel=1e-5)
 
 
 def test_describe_shows_the_global_mesh(launched):

@@ -143,6 +143,19 @@ class Executor(abc.ABC):
         """
         return function
 
+    def host_value(self, value):
+        """A variable's whole value on this process's host, as NumPy.
+
+        Args:
+            value: a variable's backend value.
+
+        Returns:
+            A NumPy array; on JAX across processes, gathered from them.
+        """
+        from keras import ops
+
+        return ops.convert_to_numpy(value)
+
     # ------------------------------------------------------- collectives
     @property
     def num_processes(self):

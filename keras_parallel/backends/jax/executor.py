@@ -109,6 +109,9 @@ class JaxExecutor(Executor):
             for d in devices
         ]
 
+    def host_value(self, value):
+        return processes.fetch(value)
+
     def device_processes(self):
         mesh = self.distribution.device_mesh.backend_mesh  # jax Devices
         return [d.process_index for d in mesh.devices.flat]
