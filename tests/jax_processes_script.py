@@ -95,6 +95,9 @@ def main(out, case):
                 raise ValueError("boom on process 1")
 
     np.random.seed(5 + process)  # The shuffle must still be process 0's.
+    if case == "disagree":
+        # Process 1 asks for ModelParallel, process 0 for DataParallel.
+        case = "model_parallel_one_step" if process == 1 else "data_parallel_one_step"
     model = build(case, seed=1 + process)
     history = train(model, case, callbacks=[Boom()])
     weights = model.get_weights()  # Whole on every process.

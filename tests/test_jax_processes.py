@@ -27,6 +27,12 @@ if keras.backend.backend() == "jax":
     import jax_processes_script as script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EQUIVALENCE_CASES = (
+    "data_parallel_one_step",
+    "data_parallel_epoch",
+    "model_parallel_one_step",
+    "model_parallel_epoch",
+)
 TIMEOUT_S = 240
 
 
@@ -114,7 +120,7 @@ def max_rel(a_weights, b_weights):
 def launched(tmp_path_factory):
     """Every equivalence case, each launched once."""
     out = {}
-    for case in script.CASES[:-1]:
+    for case in EQUIVALENCE_CASES:
         directory = tmp_path_factory.mktemp(case)
         result = launch(directory, case)
         assert result.returncode == 0, result.stderr[-4000:]
@@ -123,7 +129,7 @@ def launched(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", script.CASES[:-1])
+@pytest.mark.parametrize("case", EQUIVALENCE_CASES)
 def test_weights_equal_one_process_and_one_device(launched, case):
     weights, _ = launched[case]
     for a, b in zip(weights[0], weights[1]):
@@ -193,6 +199,29 @@ def test_a_process_that_raises_ends_every_process(tmp_path):
     assert "process 1 failed with exit code 1" in result.stderr
     assert elapsed < 60, elapsed
     assert running(str(tmp_path)) == []
+
+
+def test_processes_given_different_distributions_all_stop(tmp_path):
+    start = time.monotonic()
+    result = launch(tmp_path, "disagree")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "The processes were given different distributions" in result.stderr
+    assert "processes [1] differ from process 0" in result.stderr
+    assert time.monotonic() - start < 60
+    assert running(str(tmp_path)) == []
+
+
+def test_a_taken_coordinator_port_is_named(tmp_path):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = launch(tmp_path, "data_parallel_one_step", "--master-port", port)
+    assert result.returncode == 2
+    assert "the coordinator port is taken" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -96,4 +96,21 @@ def main(argv):
                 "--master-addr and --master-port on every node."
             )
         args.master_port = free_port(args.master_addr)
+    elif args.node_rank == 0:
+        _check_port_free(args.master_addr, args.master_port)
     return supervisor.supervise(commands(args))
+
+
+def _check_port_free(address, port):
+    """Refuses a coordinator port that something on this node already holds."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, port))
+        except OSError as error:
+            raise ValueError(
+                f"the coordinator port is taken. Received: --master-addr "
+                f"{address} --master-port {port} ({error.strerror}); pass a "
+                "free --master-port, or none on one node for a free one."
+            ) from None

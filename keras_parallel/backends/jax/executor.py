@@ -118,6 +118,7 @@ class JaxExecutor(Executor):
 
     def apply(self, model, plan):
         mesh = self.distribution.device_mesh
+        processes.check_same_plan(plan)
         planned = list(iter_planned_variables(model, plan))
         values = [variable.value for variable, _ in planned]
         if processes.is_multi_process():

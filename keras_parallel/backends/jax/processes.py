@@ -102,3 +102,41 @@ def fetch(value):
     if value.is_fully_addressable or value.is_fully_replicated:
         return np.asarray(value)
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def check_same_plan(plan):
+    """Refuses processes that were given different distributions.
+
+    Every process compares a digest of its plan (mesh, batch axis, every
+    variable's layout) with every other's, so that all of them raise,
+    rather than some training on while the others wait forever.
+
+    Args:
+        plan: this process's `ShardingPlan`.
+
+    Raises:
+        ShardingError: on every process, naming the processes that differ.
+    """
+    if not is_multi_process():
+        return
+    import hashlib
+
+    from keras_parallel.errors import ShardingError
+
+    text = repr(
+        (plan.mesh_shape, plan.axis_names, plan.batch_axis)
+        + tuple((v.path, v.axes) for v in plan.variables)
+    )
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+    digests = np.asarray(
+        multihost_utils.process_allgather(np.asarray([digest], np.int64))
+    ).ravel()
+    differ = [i for i, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ShardingError(
+            "The processes were given different distributions: every process "
+            "must run the same script with the same distribution. Received: "
+            f"process {jax.process_index()} planned mesh {plan.mesh_shape} "
+            f"over {plan.axis_names}; processes {differ} differ from process 0. "
+            "Build the distribution the same way on every process."
+        )
