@@ -10,8 +10,6 @@ killed whole if it runs over; no process may be left.
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -22,6 +20,8 @@ import pytest
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX processes (tox -e jax)"
 )
+
+from subprocesses import checkout_env, run_in_session, running  # noqa: E402
 
 if keras.backend.backend() == "jax":
     import jax_processes_script as script
@@ -37,14 +37,6 @@ TIMEOUT_S = 240
 
 
 def launch(out, case, *options):
-    import keras_parallel
-
-    root = os.path.dirname(os.path.dirname(keras_parallel.__file__))
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="jax",
-        PYTHONPATH=os.pathsep.join([root, HERE, os.environ.get("PYTHONPATH", "")]),
-    )
     command = [
         sys.executable,
         "-m",
@@ -61,35 +53,7 @@ def launch(out, case, *options):
         str(out),
         case,
     ]
-    process = subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def running(marker):
-    """PIDs whose command line mentions `marker`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
+    return run_in_session(command, checkout_env(KERAS_BACKEND="jax"), TIMEOUT_S)
 
 
 def results(out):

@@ -6,8 +6,6 @@ training through it. The CLI is tested through its torchrun arguments and
 one end-to-end run of a small script.
 """
 
-import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -23,6 +21,7 @@ if keras.backend.backend() == "torch":
     pytest.importorskip("torch")
 
 import torch_workers as workers  # noqa: E402
+from subprocesses import checkout_env, run_in_session, running  # noqa: E402
 
 
 def _launch():
@@ -148,41 +147,14 @@ RAISING_SCRIPT = textwrap.dedent(
 )
 
 
-def _processes_running(marker):
-    """PIDs whose command line mentions `marker` (a per-test path)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
 def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60, launch_options=None):
-    """Runs `keras-parallel launch --nproc 2 train.py` to its end.
-
-    In a session of its own, so that on a timeout the launcher and every
-    rank it started are killed together.
-    """
-    import signal
-
-    import keras_parallel
-
+    """Runs `keras-parallel launch --nproc 2 train.py` to its end."""
     script = tmp_path / "train.py"
     script.write_text(source)
-    # The keras_parallel these tests imported, also when run from a checkout.
-    here = os.path.dirname(os.path.dirname(keras_parallel.__file__))
-    env = dict(
-        os.environ,
+    env = checkout_env(
         KERAS_BACKEND="torch",
         OMP_NUM_THREADS="1",
         KERAS_PARALLEL_TIMEOUT=str(timeout_s),
-        PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
     )
     command = [
         sys.executable,
@@ -194,21 +166,7 @@ def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60, launch_options=None)
         str(tmp_path),
         *extra,
     ]
-    process = subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
+    return run_in_session(command, env, timeout=180)
 
 
 def test_cli_runs_a_script_in_n_processes(tmp_path):
@@ -264,4 +222,4 @@ def test_cli_reports_a_rank_raising_in_fit_within_seconds(tmp_path):
     assert "ValueError: boom on rank 1" in result.stderr
     assert "rank 1 failed" in result.stderr
     assert elapsed < 60, elapsed
-    assert _processes_running(str(tmp_path)) == []
+    assert running(str(tmp_path)) == []

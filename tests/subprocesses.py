@@ -1,0 +1,65 @@
+"""Running a command with its processes, as the multi-process tests do.
+
+`run_in_session` runs a command (a launcher and the processes it starts) in
+a session of its own, so that on a timeout all of them are killed together;
+`running` finds what a test left behind.
+"""
+
+import os
+import signal
+import subprocess
+
+
+def checkout_env(**variables):
+    """`os.environ` plus `variables`, importing this checkout's keras_parallel.
+
+    The keras_parallel the tests imported comes first on `PYTHONPATH`, also
+    when the tests run from a checkout rather than an installed package.
+    """
+    import keras_parallel
+
+    root = os.path.dirname(os.path.dirname(keras_parallel.__file__))
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, **variables)
+
+
+def run_in_session(command, env, timeout):
+    """Runs `command` to its end; on `timeout`, kills its whole session.
+
+    Returns:
+        A `subprocess.CompletedProcess` with text stdout and stderr.
+
+    Raises:
+        subprocess.TimeoutExpired: after killing every process it started.
+    """
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def running(marker):
+    """PIDs whose command line mentions `marker` (a per-test path)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
