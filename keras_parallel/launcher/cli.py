@@ -115,14 +115,19 @@ def _through_bootstrap(torchrun_args, script):
 def _first_cause(error):
     """The rank that failed first, not one that stopped because of it.
 
-    torchrun orders failures by a timestamp of whole seconds; a rank that
+    torchrun orders failures by a timestamp of whole seconds. A rank that
     raised `PeerFailedError` (its error file says so) stopped because of
-    another, so it comes last.
+    another, and so did a rank ended by a signal (torchrun sends SIGTERM to
+    the rest once one fails): both come after a rank that exited by itself.
     """
     failures = error.failures
-    causes = [r for r, f in failures.items() if "PeerFailedError" not in str(f.message)]
-    ranks = causes or list(failures)
-    rank = min(ranks, key=lambda r: (failures[r].timestamp, r))
+
+    def order(rank):
+        failure = failures[rank]
+        peer = "PeerFailedError" in str(failure.message)
+        return (peer, failure.exitcode < 0, failure.timestamp, rank)
+
+    rank = min(failures, key=order)
     return rank, failures[rank]
 
 
