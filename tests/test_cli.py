@@ -109,3 +109,20 @@ def test_launch_help_works_with_or_without_torch():
     assert "usage: keras-parallel launch" in result.stdout
     if shutil.which("torchrun") is None and BACKEND != "torch":
         assert "torch is not installed" in result.stdout or "torchrun" in result.stdout
+
+
+def test_launch_names_the_rank_that_failed_first_not_its_consequences():
+    from types import SimpleNamespace as Failure
+
+    from keras_parallel.launcher import cli as launch_cli
+
+    def first(failures):
+        return launch_cli._first_cause(Failure(failures=failures))[0]
+
+    raised = Failure(message="ValueError: boom", exitcode=1, timestamp=10)
+    exited = Failure(message="", exitcode=3, timestamp=10)
+    peer = Failure(message="PeerFailedError: Rank 1 failed", exitcode=1, timestamp=9)
+    terminated = Failure(message="Signal 15 (SIGTERM)", exitcode=-15, timestamp=9)
+    assert first({0: peer, 1: raised}) == 1
+    assert first({0: terminated, 1: exited}) == 1
+    assert first({0: raised, 1: exited}) == 0  # Same second: the lower rank.
