@@ -38,3 +38,24 @@ OBJECT_ATTRIBUTES = {
     # Model._flatten_layers walks nested layers (sync BN).
     "keras.Model": ("_flatten_layers",),
 }
+
+
+def local_metrics_result(model):
+    """`model.get_metrics_result`, without Keras 3.16+'s sum over ranks.
+
+    Keras's torch trainer (3.16+) all-reduces the metric states in
+    `get_metrics_result` whenever a process group exists. `RankSteps` makes
+    them global itself (only when read, a whole-batch tail counted once), so
+    Keras's sum would count every row once per rank, and cost an all-reduce
+    per metric variable per step. The base trainer's method reads the states
+    as they are, as in Keras 3.15. A subclass's own `get_metrics_result` is
+    left alone.
+    """
+    keras_trainer = torch_trainer_with_ddp
+    if (
+        keras_trainer is not None
+        and "get_metrics_result" not in model.__dict__
+        and type(model).get_metrics_result is keras_trainer.get_metrics_result
+    ):
+        return super(keras_trainer, model).get_metrics_result
+    return model.get_metrics_result

@@ -46,10 +46,7 @@ from keras_parallel.backends.torch.batches import (
     slice_rows,
     split_rows,
 )
-from keras_parallel.backends.torch.keras_compat import (
-    torch_trainer_with_ddp,
-    tree,
-)
+from keras_parallel.backends.torch.keras_compat import local_metrics_result, tree
 from keras_parallel.backends.torch.random_stream import RankRandomStream
 
 
@@ -129,7 +126,7 @@ class RankSteps:
             "test_step": model.test_step,
             "predict_step": model.predict_step,
         }
-        self._original_metrics_result = _local_metrics_result(model)
+        self._original_metrics_result = local_metrics_result(model)
         # object.__setattr__: Keras's and torch's __setattr__ would track or
         # register these functions; they are plain per-instance overrides.
         object.__setattr__(
@@ -349,27 +346,6 @@ class RankSteps:
                 n = v.value.numel()
                 v.value.copy_(flat[offset : offset + n].reshape(v.value.shape))
                 offset += n
-
-
-def _local_metrics_result(model):
-    """`model.get_metrics_result`, without Keras 3.16+'s sum over ranks.
-
-    Keras's torch trainer (3.16+) all-reduces the metric states in
-    `get_metrics_result` whenever a process group exists. `RankSteps` makes
-    them global itself (only when read, a whole-batch tail counted once), so
-    Keras's sum would count every row once per rank, and cost an all-reduce
-    per metric variable per step. The base trainer's method reads the states
-    as they are, as in Keras 3.15. A subclass's own `get_metrics_result` is
-    left alone.
-    """
-    keras_trainer = torch_trainer_with_ddp
-    if (
-        keras_trainer is not None
-        and "get_metrics_result" not in model.__dict__
-        and type(model).get_metrics_result is keras_trainer.get_metrics_result
-    ):
-        return super(keras_trainer, model).get_metrics_result
-    return model.get_metrics_result
 
 
 def _check_same_batches(extra, rank, rows):
