@@ -10,6 +10,7 @@ import contextlib
 
 from keras_parallel import report
 from keras_parallel.backends import executor_class, resolve_plan_for
+from keras_parallel.backup import ExactBackups
 from keras_parallel.plan import check_distribution, variables_signature
 
 
@@ -92,6 +93,9 @@ class Binding:
             self._scope = contextlib.ExitStack()
             try:
                 self._scope.enter_context(self.executor.scope(model))
+                backups = ExactBackups(self.executor)
+                backups.install()
+                self._scope.callback(backups.uninstall)
             except BaseException:
                 self._depth = 0
                 self._scope = None

@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_parallel import atomic
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
 
@@ -44,6 +45,7 @@ class ShardingCallback(keras.callbacks.Callback):
         super().__init__()
         self.binding = Binding(distribution)
         self._phase = None
+        self._undo_saving = None
 
     @property
     def distribution(self):
@@ -63,12 +65,17 @@ class ShardingCallback(keras.callbacks.Callback):
             model.test_function = None
             model.predict_function = None
         self.binding.enter(model)
+        # `ModelCheckpoint`'s files appear whole, as a DistributedModel's do.
+        self._undo_saving = atomic.atomic_saving(model, self.binding.executor)
 
     def close(self):
         """Leaves the distribution's scope; safe to call more than once."""
         self._phase = None
         while self.binding.active:
             self.binding.exit(self.model)
+        if self._undo_saving is not None:
+            self._undo_saving()
+            self._undo_saving = None
 
     def _begin(self, phase):
         if self._phase is None:

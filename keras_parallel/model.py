@@ -84,10 +84,33 @@ class DistributedModel:
         Returns:
             What `keras.Model.save` returns.
         """
-        from keras_parallel import saving
+        from keras_parallel import atomic, saving
 
         with saving.saved_as_keras_class():
-            return super().save(*args, **kwargs)
+            # A reader never sees half a file (`keras_parallel.atomic`).
+            return atomic.call_replacing(
+                super().save, args, kwargs, self._kp_executor()
+            )
+
+    def save_weights(self, *args, **kwargs):
+        """`keras.Model.save_weights`, written whole or not at all.
+
+        Args:
+            *args: `keras.Model.save_weights` arguments (`filepath`, ...).
+            **kwargs: `keras.Model.save_weights` arguments.
+
+        Returns:
+            What `keras.Model.save_weights` returns.
+        """
+        from keras_parallel import atomic
+
+        return atomic.call_replacing(
+            super().save_weights, args, kwargs, self._kp_executor()
+        )
+
+    def _kp_executor(self):
+        binding = getattr(self, "_kp_binding", None)
+        return None if binding is None else binding.executor
 
     def compile_from_config(self, config):
         """Compiles a loaded model from its saved compile config.

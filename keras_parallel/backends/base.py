@@ -156,6 +156,50 @@ class Executor(abc.ABC):
 
         return ops.convert_to_numpy(value)
 
+    def saving(self):
+        """What must be in force while process 0 alone writes the model.
+
+        Returns:
+            A context manager; nothing on most backends.
+        """
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------- random state
+    def host_random_state(self):
+        """The host random state a resumed run must continue from.
+
+        Keras's data adapters draw each epoch's shuffle from it. NumPy's
+        and Python's global state here; a backend adds its own.
+
+        Returns:
+            A nest of tuples, lists, dicts, NumPy arrays, bytes and numbers.
+        """
+        import random
+
+        import numpy as np
+
+        return {"numpy": np.random.get_state(), "python": random.getstate()}
+
+    def set_host_random_state(self, state):
+        """Puts back what `host_random_state` returned (tuples may be lists)."""
+        import random
+
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+
+    def rank_seed_state(self, state):
+        """This process's seed generator state for process 0's `state`.
+
+        A backend whose processes each draw their own dropout masks from
+        offset seeds (torch) offsets it; elsewhere every process holds the
+        same state.
+        """
+        return state
+
     # ------------------------------------------------------- collectives
     @property
     def num_processes(self):

@@ -112,6 +112,19 @@ class JaxExecutor(Executor):
     def host_value(self, value):
         return processes.fetch(value)
 
+    @contextlib.contextmanager
+    def saving(self):
+        # Keras's saving makes throwaway variables (a reference `Optimizer`
+        # to skip its attributes); made under the distribution, they would be
+        # placed across processes by a collective that only process 0, the
+        # one that writes, would run.
+        previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
+        try:
+            yield
+        finally:
+            keras.distribution.set_distribution(previous)
+
     def device_processes(self):
         mesh = self.distribution.device_mesh.backend_mesh  # jax Devices
         return [d.process_index for d in mesh.devices.flat]

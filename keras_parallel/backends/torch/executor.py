@@ -163,10 +163,28 @@ class TorchExecutor(Executor):
         object.__setattr__(model, "_kp_seeds_folded", True)
         for variable in model.non_trainable_variables:
             if "seed_generator_state" in variable.path:
-                state = variable.value.detach().to(torch.int64)
-                state[0] = (state[0] + self.process_index * _SEED_STRIDE) % 2**32
+                state = self.rank_seed_state(variable.value.detach())
                 with torch.no_grad():
-                    variable.value.copy_(state.to(variable.value.dtype))
+                    variable.value.copy_(torch.as_tensor(state))
+
+    def rank_seed_state(self, state):
+        state = torch.as_tensor(state)
+        dtype = state.dtype
+        state = state.to(torch.int64).clone()
+        state[0] = (state[0] + self.process_index * _SEED_STRIDE) % 2**32
+        return state.to(dtype)
+
+    def host_random_state(self):
+        state = super().host_random_state()
+        # Keras's torch data loaders shuffle with torch's global generator.
+        state["torch"] = bytes(torch.get_rng_state().numpy())
+        return state
+
+    def set_host_random_state(self, state):
+        super().set_host_random_state(state)
+        torch.set_rng_state(
+            torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8)
+        )
 
     @contextlib.contextmanager
     def scope(self, model):

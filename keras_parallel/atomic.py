@@ -1,0 +1,119 @@
+"""Files that a reader sees whole or not at all.
+
+A file is written under a temporary name in its own folder, flushed to disk,
+then renamed over its final name: a rename within one file system is atomic,
+so a process killed while writing leaves the previous file (or none), never
+half of one.
+"""
+
+import contextlib
+import os
+
+
+@contextlib.contextmanager
+def replacing(path):
+    """Yields a temporary path to write; renames it to `path` on success.
+
+    Remote paths (`gs://...`) are written in place: their file systems
+    have no rename to rely on.
+
+    Args:
+        path: the final file name. Its suffix is kept (Keras checks it).
+
+    Example:
+
+    >>> with replacing("model.keras") as temporary:
+    ...     model.save(temporary)
+    """
+    path = os.fspath(path)
+    if "://" in path:
+        yield path
+        return
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}.partial.{name}")
+    try:
+        yield temporary
+        if os.path.isfile(temporary):  # Nothing written: nothing replaced.
+            with open(temporary, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def write_text(path, text):
+    """Writes `text` to `path` atomically (see module docstring)."""
+    with replacing(path) as temporary, open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def file_argument(args, kwargs):
+    """`(args, kwargs)` of `save(filepath, ...)` with `filepath` taken out.
+
+    Returns:
+        `(filepath, rebuild)`: `rebuild(path)` gives the arguments with
+        `path` in its place. `filepath` is None when there is none.
+    """
+    if args:
+        return args[0], lambda path: ((path, *args[1:]), kwargs)
+    if "filepath" in kwargs:
+        return kwargs["filepath"], lambda path: (args, dict(kwargs, filepath=path))
+    return None, None
+
+
+def call_replacing(save, args, kwargs, executor=None):
+    """Calls `save(*args, **kwargs)` so that its file appears whole.
+
+    Args:
+        save: `model.save` or `model.save_weights`. With `overwrite=False`
+            and an existing file, Keras's own question comes first: no
+            temporary.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        executor: the model's executor, if it is distributed: its
+            `saving()` is in force while the file is written.
+
+    Returns:
+        What `save` returns.
+    """
+    path, rebuild = file_argument(args, kwargs)
+    local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+    context = executor.saving() if executor is not None else contextlib.nullcontext()
+    with context:
+        if not local or (not kwargs.get("overwrite", True) and os.path.exists(path)):
+            return save(*args, **kwargs)
+        with replacing(path) as temporary:
+            new_args, new_kwargs = rebuild(temporary)
+            return save(*new_args, **new_kwargs)
+
+
+def atomic_saving(model, executor=None):
+    """Makes `model.save` and `save_weights` write whole files (instance-level).
+
+    For models that are not a `DistributedModel` (whose own methods do it),
+    while a `ShardingCallback` is attached.
+
+    Returns:
+        A function that undoes it.
+    """
+    names = ("save", "save_weights")
+    saved = {name: model.__dict__.get(name) for name in names}
+    for name in names:
+        method = getattr(model, name)
+
+        def save(*args, _method=method, **kwargs):
+            return call_replacing(_method, args, kwargs, executor)
+
+        object.__setattr__(model, name, save)
+
+    def undo():
+        for name, value in saved.items():
+            if value is None:
+                model.__dict__.pop(name, None)
+            else:
+                object.__setattr__(model, name, value)
+
+    return undo

@@ -1,0 +1,253 @@
+"""`keras.callbacks.BackupAndRestore`, made atomic and exact.
+
+Keras's `BackupAndRestore` writes `latest.weights.h5` and
+`training_metadata.json` in place and restarts at the epoch the metadata
+names. Two things are missing for "resume equals uninterrupted":
+
+- a process killed while it writes leaves a half-written file, or new
+  weights beside the old epoch number;
+- the random state is not part of the backup, so a resumed run draws
+  another shuffle (and other dropout masks) than the run it replaces.
+
+While a keras_parallel entry point runs (`fit` of a `DistributedModel`, or
+of a model with a `ShardingCallback`), `ExactBackups` replaces the
+callback's `_save_model` / `_load_model` on the class (as `chief.py`
+silences writers), with the same files and meaning plus:
+
+- the weights go to a new file, `weights-<n>.weights.h5`, and the metadata,
+  written to a temporary file and renamed over the old one, names it: the
+  rename is the one moment a backup changes, so a kill at any other moment
+  leaves the previous backup whole. Older weight files are removed after
+  the rename (the previous one is kept with `double_checkpoint=True`, with
+  the previous metadata as `training_metadata.json.bkp`);
+- the metadata holds the host random state (NumPy's, Python's and the
+  backend's, see `Executor.host_random_state`) and the model's seed
+  generators as they were when the epoch it resumes at began; loading the
+  backup puts them back, so the resumed epochs draw what the uninterrupted
+  run drew.
+
+Keras restarts an epoch from its first batch: with an integer `save_freq`
+the weights saved mid-epoch then see that epoch's first batches again
+(Keras's own behaviour); `save_freq="epoch"` resumes exactly.
+"""
+
+import base64
+import json
+import os
+
+import numpy as np
+from keras import callbacks
+
+from keras_parallel import atomic
+
+#: The key of keras_parallel's part of `training_metadata.json`.
+METADATA_KEY = "keras_parallel"
+_WEIGHTS_PREFIX = "weights-"
+_WEIGHTS_SUFFIX = ".weights.h5"
+
+
+class BackupError(ValueError):
+    """A backup that cannot be restored into this model."""
+
+
+class ExactBackups:
+    """Installs the atomic, exact `BackupAndRestore` while an entry point runs.
+
+    Args:
+        executor: the binding's executor (its host random state).
+    """
+
+    def __init__(self, executor):
+        self.executor = executor
+        self._saved = []
+
+    def install(self):
+        cls = callbacks.BackupAndRestore
+        executor = self.executor
+        patches = {
+            "_save_model": lambda cb: _save(cb, executor),
+            "_load_model": lambda cb: _load(cb, executor),
+            "on_epoch_begin": lambda cb, epoch, logs=None: _epoch_begins(
+                cb, epoch, executor
+            ),
+        }
+        for name, function in patches.items():
+            self._saved.append((name, cls.__dict__.get(name)))
+            setattr(cls, name, function)
+
+    def uninstall(self):
+        cls = callbacks.BackupAndRestore
+        for name, value in reversed(self._saved):
+            if value is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, value)
+        self._saved = []
+
+
+def _epoch_begins(callback, epoch, executor):
+    # The state a resumed run must start this epoch from, for saves made
+    # before it ends.
+    callback._kp_epoch = epoch
+    callback._kp_epoch_state = _random_state(callback.model, executor)
+
+
+def _save(callback, executor):
+    directory = callback.backup_dir
+    os.makedirs(directory, exist_ok=True)
+    previous = _read_metadata(callback._training_metadata_path)
+    number = previous.get(METADATA_KEY, {}).get("generation", 0) + 1 if previous else 1
+    weights_name = f"{_WEIGHTS_PREFIX}{number}{_WEIGHTS_SUFFIX}"
+    # Not referenced by any metadata yet: a kill half way leaves an orphan.
+    callback.model.save_weights(os.path.join(directory, weights_name), overwrite=True)
+    epoch = callback._current_epoch
+    state = _random_state(callback.model, executor)
+    if getattr(callback, "_kp_epoch", -1) >= epoch:
+        # Saved within an epoch (integer `save_freq`): Keras resumes at that
+        # epoch's start. Its own `_current_epoch` moves at epoch ends only,
+        # so it says 0 within the first epoch of a resumed run.
+        epoch = callback._kp_epoch
+        state = callback._kp_epoch_state
+    metadata = {
+        "epoch": epoch,
+        "batch": callback._last_batch_seen,
+        METADATA_KEY: {
+            "generation": number,
+            "weights": weights_name,
+            "random_state": state,
+        },
+    }
+    if callback.double_checkpoint and previous:
+        atomic.write_text(callback._prev_training_metadata_path, json.dumps(previous))
+    atomic.write_text(callback._training_metadata_path, json.dumps(metadata))
+    keep = {weights_name}
+    if callback.double_checkpoint and previous:
+        keep.add(previous.get(METADATA_KEY, {}).get("weights"))
+    for name in os.listdir(directory):
+        if _is_weights_file(name) and name not in keep:
+            os.remove(os.path.join(directory, name))
+
+
+def _load(callback, executor):
+    model = callback.model
+    if not model.built:
+        raise ValueError(
+            "To use the BackupAndRestore callback, your model must be built "
+            f"before you call `fit()`. Received: model {model.name!r}, unbuilt; "
+            "build it first (call it on a batch of data, or `model.build`)."
+        )
+    path = callback._training_metadata_path
+    metadata = _read_metadata(path)
+    if metadata is None:
+        return  # No backup: a fresh start.
+    try:
+        _restore(callback, metadata, executor)
+    except BackupError:
+        fallback = _read_metadata(callback._prev_training_metadata_path)
+        if not callback.double_checkpoint or fallback is None:
+            raise
+        _restore(callback, fallback, executor)
+
+
+def _restore(callback, metadata, executor):
+    model = callback.model
+    ours = metadata.get(METADATA_KEY)
+    name = ours["weights"] if ours else os.path.basename(callback._weights_path)
+    weights = os.path.join(callback.backup_dir, name)
+    if os.path.exists(weights):
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        try:
+            model.load_weights(weights)
+        except Exception as error:  # noqa: BLE001 - h5py, Keras: many types.
+            raise BackupError(
+                f"the backup {weights!r} cannot be loaded into model "
+                f"{model.name!r}: {error}. Received: a backup written by "
+                "another model, or a damaged file; delete the backup folder "
+                f"{callback.backup_dir!r} to start afresh, or train the model "
+                "that wrote it."
+            ) from error
+    if ours:
+        _set_random_state(model, executor, ours["random_state"])
+    model._initial_epoch = metadata["epoch"]
+
+
+def _read_metadata(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise BackupError(
+            f"the backup metadata {path!r} is not JSON ({error}). Received: "
+            f"{text[:80]!r}; delete the backup folder to start afresh."
+        ) from None
+
+
+def _is_weights_file(name):
+    return name.startswith(_WEIGHTS_PREFIX) and name.endswith(_WEIGHTS_SUFFIX)
+
+
+# ---------------------------------------------------------------- state
+def _random_state(model, executor):
+    """The host random state and the model's seed generator states, as JSON."""
+    return {
+        "host": _encode(executor.host_random_state()),
+        "seed_generators": [
+            np.asarray(executor.host_value(v.value)).tolist()
+            for v in _seed_states(model)
+        ],
+    }
+
+
+def _set_random_state(model, executor, state):
+    executor.set_host_random_state(_decode(state["host"]))
+    saved = state["seed_generators"]
+    variables = _seed_states(model)
+    if len(saved) != len(variables):
+        raise BackupError(
+            f"the backup holds {len(saved)} random seed states and model "
+            f"{model.name!r} has {len(variables)}. Received: a backup of "
+            "another model; delete the backup folder to start afresh."
+        )
+    for variable, value in zip(variables, saved):
+        value = np.asarray(value, dtype=variable.dtype)
+        variable.assign(executor.rank_seed_state(value))
+
+
+def _seed_states(model):
+    """The states of the model's seed generators (`Dropout(seed=...)`, ...).
+
+    `model.variables` lists them, `model.weights` (what is saved) does not.
+    """
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
+def _encode(value):
+    """NumPy arrays and bytes as JSON-safe tagged values; nests kept."""
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, bytes):
+        return {"bytes": base64.b64encode(value).decode()}
+    if isinstance(value, (list, tuple)):
+        return {"tuple": [_encode(v) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": {k: _encode(v) for k, v in value.items()}}
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    return value
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        if "ndarray" in value:
+            return np.asarray(value["ndarray"], dtype=value["dtype"])
+        if "bytes" in value:
+            return base64.b64decode(value["bytes"])
+        if "tuple" in value:
+            return tuple(_decode(v) for v in value["tuple"])
+        return {k: _decode(v) for k, v in value["dict"].items()}
+    return value

@@ -1,0 +1,111 @@
+"""A training script killed part way and started again, as a user's would be.
+
+`python resume_script.py OUT BACKUP [KILL]` trains a small model with
+dropout, Adam and a shuffled, uneven 203-sample epoch for 4 epochs under
+`DataParallel`, with `keras.callbacks.BackupAndRestore(BACKUP)`, and writes
+process 0's final weights to `OUT/weights.npz`. With `KILL="self"` process
+0 kills itself with SIGKILL at epoch 2, batch 3; with `KILL="wait"` it
+writes `OUT/killpoint` there and waits to be killed (the test SIGKILLs
+every process). Run directly (one process) or through
+`keras-parallel launch`. The tests import `build` and `train` for the
+uninterrupted reference.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import keras
+import numpy as np
+
+import keras_parallel
+
+KILL_AT = (2, 3)  # (epoch, batch)
+EPOCHS = 4
+
+
+class Net(keras_parallel.DistributedModel, keras.Model):
+    pass
+
+
+def build(distributed=True):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    x = keras.layers.Dropout(0.3, seed=3)(x)
+    model = Net(inputs, keras.layers.Dense(8, name="d2")(x), name="net")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        distribution=keras_parallel.DataParallel() if distributed else None,
+    )
+    return model
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(203, 16)).astype("float32")
+    y = rng.normal(size=(203, 8)).astype("float32")
+    return x, y
+
+
+def train(model, callbacks=()):
+    x, y = data()
+    return model.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=EPOCHS,
+        shuffle=True,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+
+
+class Kill(keras.callbacks.Callback):
+    """Kills this process (or waits to be killed) at `KILL_AT`."""
+
+    def __init__(self, out, how):
+        super().__init__()
+        self.out = out
+        self.how = how
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) != KILL_AT or not _is_chief():
+            return
+        if self.how == "self":
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(os.path.join(self.out, "killpoint"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+
+
+def _is_chief():
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.process_index() == 0
+    if backend == "torch":
+        return int(os.environ.get("RANK", "0")) == 0
+    return True
+
+
+def main(out, backup, kill=None):
+    model = build()
+    callbacks = [keras.callbacks.BackupAndRestore(backup)]
+    if kill:
+        callbacks.append(Kill(out, kill))
+    train(model, callbacks)
+    weights = model.get_weights()
+    if _is_chief():
+        np.savez(os.path.join(out, "weights.npz"), *weights)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
