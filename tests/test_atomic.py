@@ -1,0 +1,106 @@
+"""Saved files appear whole or not at all (`keras_parallel.atomic`)."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_parallel
+import resume_script
+from keras_parallel import atomic
+
+
+def test_replacing_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "model.keras"
+    path.write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.replacing(path) as temporary:
+            assert temporary.endswith("model.keras")  # Keras checks suffixes.
+            with open(temporary, "w") as f:
+                f.write("half of the new")
+            raise KeyboardInterrupt
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["model.keras"]  # No temporary left.
+
+
+def test_replacing_renames_what_was_written(tmp_path):
+    path = tmp_path / "notes.json"
+    atomic.write_text(path, "new")
+    assert path.read_text() == "new"
+    assert os.listdir(tmp_path) == ["notes.json"]
+
+
+def test_nothing_written_replaces_nothing(tmp_path):
+    path = tmp_path / "model.keras"
+    path.write_text("old")
+    with atomic.replacing(path):
+        pass  # A process that does not write (not process 0).
+    assert path.read_text() == "old"
+
+
+def test_remote_paths_are_written_in_place():
+    with atomic.replacing("gs://bucket/model.keras") as temporary:
+        assert temporary == "gs://bucket/model.keras"
+
+
+def _model():
+    model = resume_script.build()
+    model.fit(*resume_script.data(), batch_size=64, epochs=1, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("method", ["save", "save_weights"])
+def test_a_save_killed_half_way_leaves_the_previous_file(tmp_path, monkeypatch, method):
+    model = _model()
+    name = "model.keras" if method == "save" else "model.weights.h5"
+    path = str(tmp_path / name)
+    getattr(model, method)(path)
+    before = open(path, "rb").read()
+    expected = model.get_weights()
+    model.get_layer("d1").kernel.assign(np.zeros((16, 32), "float32"))
+
+    def dies_half_way(self, store, *args, **kwargs):
+        store["0"] = np.zeros(3)  # Something written, then the kill.
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(keras.layers.Dense, "save_own_variables", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(model, method)(path)
+    monkeypatch.undo()
+    assert open(path, "rb").read() == before
+    assert os.listdir(tmp_path) == [name]
+    if method == "save":
+        loaded = keras.saving.load_model(
+            path, custom_objects={"Net": resume_script.Net}
+        )
+    else:
+        loaded = resume_script.build()
+        loaded.optimizer.build(loaded.trainable_variables)
+        loaded.load_weights(path)
+    for a, b in zip(loaded.get_weights(), expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sharding_callback_saves_whole_files_while_attached(tmp_path, monkeypatch):
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(8)(inputs))  # Not ours.
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+    path = str(tmp_path / "best.keras")
+    checkpoint = keras.callbacks.ModelCheckpoint(path)
+    written = []
+    replacing = atomic.replacing
+
+    def recording(target):
+        written.append(os.fspath(target))
+        return replacing(target)
+
+    monkeypatch.setattr(atomic, "replacing", recording)
+    x, y = resume_script.data()
+    model.fit(
+        x, y, batch_size=64, epochs=1, verbose=0, callbacks=[callback, checkpoint]
+    )
+    assert written == [path]
+    assert "save" not in model.__dict__  # Undone when the run ended.
+    keras.saving.load_model(path)

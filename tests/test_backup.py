@@ -1,0 +1,206 @@
+"""`keras.callbacks.BackupAndRestore` under keras_parallel: exact, atomic, checked.
+
+In one process on every backend (the SIGKILL runs across processes are in
+`test_backup_processes.py`): an interrupted `fit` started again ends with
+the uninterrupted run's weights; a save interrupted half way leaves the
+previous backup, which resumes; another model's or a damaged backup is
+refused with an error naming the file, and nothing is overwritten.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import resume_script
+from keras_parallel import backup
+
+BACKEND = keras.backend.backend()
+# TensorFlow shuffles with its own random ops (tf.data), whose state is not
+# part of the backup: resumed exactly without a shuffle only.
+SHUFFLE = BACKEND != "tensorflow"
+
+
+class Interrupt(keras.callbacks.Callback):
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+def fit(model, callbacks=(), **kwargs):
+    x, y = resume_script.data()
+    options = dict(batch_size=32, epochs=4, shuffle=SHUFFLE, verbose=0)
+    options.update(kwargs)
+    return model.fit(x, y, callbacks=list(callbacks), **options)
+
+
+def weights(model):
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    model = resume_script.build()
+    fit(model)
+    return weights(model)
+
+
+def assert_same(actual, expected):
+    for a, b in zip(actual, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_interrupted_fit_resumes_with_the_uninterrupted_weights(
+    tmp_path, uninterrupted
+):
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(
+            resume_script.build(),
+            [keras.callbacks.BackupAndRestore(directory), Interrupt((2, 3))],
+        )
+    metadata = json.load(open(os.path.join(directory, "training_metadata.json")))
+    assert metadata["epoch"] == 2
+    model = resume_script.build()
+    history = fit(model, [keras.callbacks.BackupAndRestore(directory)])
+    assert len(history.history["loss"]) == 2  # Epochs 2 and 3 only.
+    assert_same(weights(model), uninterrupted)
+
+
+def test_save_interrupted_half_way_leaves_the_previous_backup(
+    tmp_path, monkeypatch, uninterrupted
+):
+    directory = str(tmp_path / "backup")
+    commits = []
+    write_text = backup.atomic.write_text
+
+    def dies_at_the_second_commit(path, text):
+        commits.append(path)
+        if len(commits) == 2:
+            raise KeyboardInterrupt("killed while saving")
+        write_text(path, text)
+
+    monkeypatch.setattr(backup.atomic, "write_text", dies_at_the_second_commit)
+    with pytest.raises(KeyboardInterrupt):
+        fit(resume_script.build(), [keras.callbacks.BackupAndRestore(directory)])
+    monkeypatch.undo()
+    # The second epoch's weights were written, never committed.
+    assert sorted(os.listdir(directory)) == [
+        "training_metadata.json",
+        "weights-1.weights.h5",
+        "weights-2.weights.h5",
+    ]
+    model = resume_script.build()
+    history = fit(model, [keras.callbacks.BackupAndRestore(directory)])
+    assert len(history.history["loss"]) == 3  # Resumed after epoch 0.
+    assert_same(weights(model), uninterrupted)
+
+
+@pytest.mark.filterwarnings("ignore:Skipping nested container")
+def test_backup_of_another_model_is_refused_and_kept(tmp_path):
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError):
+        fit(
+            resume_script.build(),
+            [keras.callbacks.BackupAndRestore(directory), Interrupt((1, 0))],
+        )
+    before = {
+        name: open(os.path.join(directory, name), "rb").read()
+        for name in os.listdir(directory)
+    }
+    other = _other_model()
+    initial = weights(other)
+    with pytest.raises(backup.BackupError, match="weights-1.weights.h5") as error:
+        fit(other, [keras.callbacks.BackupAndRestore(directory)])
+    assert "delete the backup folder" in str(error.value)
+    after = {
+        name: open(os.path.join(directory, name), "rb").read()
+        for name in os.listdir(directory)
+    }
+    assert after == before
+    assert_same(weights(other), initial)
+
+
+def test_damaged_backup_is_named_or_falls_back_to_the_previous(tmp_path, uninterrupted):
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError):
+        fit(
+            resume_script.build(),
+            [
+                keras.callbacks.BackupAndRestore(directory, double_checkpoint=True),
+                Interrupt((2, 3)),
+            ],
+        )
+    assert sorted(os.listdir(directory)) == [
+        "training_metadata.json",
+        "training_metadata.json.bkp",
+        "weights-1.weights.h5",
+        "weights-2.weights.h5",
+    ]
+    latest = os.path.join(directory, "weights-2.weights.h5")
+    with open(latest, "r+b") as f:
+        f.truncate(os.path.getsize(latest) // 2)
+    with pytest.raises(backup.BackupError, match="weights-2.weights.h5"):
+        fit(resume_script.build(), [keras.callbacks.BackupAndRestore(directory)])
+    # With the previous backup kept, it resumes from that one (epoch 1).
+    model = resume_script.build()
+    history = fit(
+        model, [keras.callbacks.BackupAndRestore(directory, double_checkpoint=True)]
+    )
+    assert len(history.history["loss"]) == 3
+    assert_same(weights(model), uninterrupted)
+
+
+def test_mid_epoch_backup_of_a_resumed_run_names_its_epoch(tmp_path):
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError):
+        fit(
+            resume_script.build(),
+            [keras.callbacks.BackupAndRestore(directory), Interrupt((2, 0))],
+        )
+    with pytest.raises(RuntimeError):
+        fit(
+            resume_script.build(),
+            [
+                keras.callbacks.BackupAndRestore(directory, save_freq=2),
+                Interrupt((2, 3)),
+            ],
+        )
+    metadata = json.load(open(os.path.join(directory, "training_metadata.json")))
+    # Keras's own counter said 0 here (it moves at epoch ends only).
+    assert (metadata["epoch"], metadata["batch"]) == (2, 3)
+
+
+def test_plain_keras_backup_is_left_alone(tmp_path):
+    """A model without a distribution keeps Keras's own callback."""
+    directory = str(tmp_path / "backup")
+    model = resume_script.build(distributed=False)
+    with pytest.raises(RuntimeError):
+        fit(model, [keras.callbacks.BackupAndRestore(directory), Interrupt((1, 0))])
+    assert sorted(os.listdir(directory)) == [
+        "latest.weights.h5",
+        "training_metadata.json",
+    ]
+
+
+def _other_model():
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(12, activation="relu", name="d1")(inputs)
+    x = keras.layers.Dropout(0.3, seed=3)(x)
+    model = resume_script.Net(inputs, keras.layers.Dense(8, name="d2")(x))
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        distribution=resume_script.keras_parallel.DataParallel(),
+    )
+    return model
