@@ -100,7 +100,9 @@ def test_launch_needs_a_backend_it_can_launch(tmp_path):
     script.write_text("print('ran')\n")
     result = _run("launch", "--backend", "numpy", "--nproc", "2", str(script))
     assert result.returncode == 2
-    assert "pass --backend jax or --backend torch" in result.stderr
+    assert "pass --backend jax, --backend tensorflow or --backend torch" in (
+        result.stderr
+    )
 
 
 def test_launch_help_works_with_or_without_torch():

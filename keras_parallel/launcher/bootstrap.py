@@ -8,6 +8,10 @@ user's unchanged script (run as `__main__`):
   whose script raises prints the traceback under its process number and
   exits at once: the runtime's exit would wait for the other processes at a
   barrier they may never reach.
+- TensorFlow: create the `MultiWorkerMirroredStrategy` `TF_CONFIG` asks
+  for (and logical CPU devices), which must exist before TensorFlow runs
+  anything; the executor reuses it. A failing worker exits at once, as on
+  JAX: the others may wait in a collective it will never join.
 - torch (under torchrun): run the script under torch's `record`, which
   leaves the exception in torchrun's error file, so that the launcher can
   tell the rank that failed first from the ranks that stopped because of it.
@@ -24,13 +28,12 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         raise SystemExit("usage: python -m keras_parallel.launcher.bootstrap script.py")
-    if os.environ.get("KERAS_BACKEND") == "torch":
+    backend = os.environ.get("KERAS_BACKEND")
+    if backend == "torch":
         return _run_torch(argv)
-    from keras_parallel.backends.jax import runtime
-
-    process = os.environ.get(runtime.ID_ENV, "0")
+    process, initialize = _runtime(backend)
     try:
-        runtime.initialize_from_environment()
+        initialize()
         sys.argv = argv
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exit_:
@@ -43,9 +46,22 @@ def main(argv=None):
             _exit(code)
         raise
     except BaseException:
-        print(f"keras-parallel: process {process} failed:", file=sys.stderr)
+        print(f"keras-parallel: {process} failed:", file=sys.stderr)
         traceback.print_exc()
         _exit(1)
+
+
+def _runtime(backend):
+    """This process's name and the function that starts its runtime."""
+    if backend == "tensorflow":
+        from keras_parallel.backends.tensorflow import workers
+
+        name = f"worker {workers.cluster_workers()[1]}"
+        return name, workers.initialize_from_environment
+    from keras_parallel.backends.jax import runtime
+
+    name = f"process {os.environ.get(runtime.ID_ENV, '0')}"
+    return name, runtime.initialize_from_environment
 
 
 def _run_torch(argv):

@@ -10,6 +10,8 @@ The backend is `--backend`, else `KERAS_BACKEND`.
   `keras.distribution.initialize()` reads, started through
   `keras_parallel.launcher.bootstrap` (the runtime is up before the script
   runs) and supervised by `keras_parallel.launcher.supervisor`.
+- TensorFlow: the same, each worker with a `TF_CONFIG` (see
+  `tf_processes`); the bootstrap creates the `MultiWorkerMirroredStrategy`.
 """
 
 import os
@@ -21,10 +23,12 @@ _USAGE = (
     "[--devices-per-process K] script.py [script args]\n\n"
     "Runs script.py in N processes per node, on the backend B (default: "
     "$KERAS_BACKEND). torch: through torch.distributed.run (torchrun); every "
-    "torchrun option works. jax: through jax.distributed; "
+    "torchrun option works. jax: through jax.distributed; tensorflow: "
+    "through tf.distribute.MultiWorkerMirroredStrategy (several nodes: "
+    "--node-addrs A0,A1,... and --master-port P; worker g listens on P + g). "
     "--devices-per-process K simulates K CPU devices per process."
 )
-BACKENDS = ("jax", "torch")
+BACKENDS = ("jax", "tensorflow", "torch")
 
 #: The options that choose a rendezvous; without any, `launch` CLI runs
 #: torchrun `--standalone` (a free local port).
@@ -76,6 +80,10 @@ def main(argv=None):
             from keras_parallel.launcher import jax_processes
 
             return jax_processes.main(argv)
+        if backend == "tensorflow":
+            from keras_parallel.launcher import tf_processes
+
+            return tf_processes.main(argv)
         torchrun_args, script = _torchrun_args(argv)
         _check(torchrun_args, script)
         torchrun_args = _through_bootstrap(torchrun_args, script)
@@ -149,10 +157,10 @@ def _backend(argv):
     backend = backend or os.environ.get("KERAS_BACKEND")
     if backend not in BACKENDS:
         raise ValueError(
-            "keras-parallel launch starts processes for the jax and torch "
-            f"backends. Received: backend {backend!r} (from --backend or "
-            "KERAS_BACKEND); pass --backend jax or --backend torch, or set "
-            "KERAS_BACKEND."
+            "keras-parallel launch starts processes for the jax, tensorflow "
+            f"and torch backends. Received: backend {backend!r} (from "
+            "--backend or KERAS_BACKEND); pass --backend jax, --backend "
+            "tensorflow or --backend torch, or set KERAS_BACKEND."
         )
     return backend, rest
 

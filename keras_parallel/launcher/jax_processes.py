@@ -9,36 +9,23 @@ node `node_rank`; process 0 (node 0) hosts the coordinator.
 
 On a machine without accelerators, `--devices-per-process K` gives each
 process K simulated CPU devices, connected over gloo.
+
+The options and their checks are shared with TensorFlow
+(`keras_parallel.launcher.local_processes`).
 """
 
-import argparse
 import os
-import sys
 
 from keras_parallel.backends.jax import runtime
-from keras_parallel.launcher import supervisor
-from keras_parallel.launcher.cli import check_positive, check_script
+from keras_parallel.launcher import local_processes
 from keras_parallel.launcher.processes import free_port
-
-
-def _parser():
-    parser = argparse.ArgumentParser(prog="keras-parallel launch --backend jax")
-    parser.add_argument("--nproc-per-node", "--nproc", type=int, default=1)
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--master-port", type=int, default=None)
-    parser.add_argument("--devices-per-process", type=int, default=None)
-    parser.add_argument("script", nargs="?")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    return parser
 
 
 def commands(args, base_env=None):
     """One `(argv, env)` per process of this node.
 
     Args:
-        args: the parsed options (see `_parser`).
+        args: the parsed options (see `local_processes.parser`).
         base_env: the environment to start from; defaults to `os.environ`.
 
     Returns:
@@ -68,26 +55,14 @@ def commands(args, base_env=None):
             env["XLA_FLAGS"] = " ".join(flags)
             env["JAX_PLATFORMS"] = "cpu"
             # Each process's share of the cores, not all of them each.
-            threads = max(1, (os.cpu_count() or 1) // nproc)
-            env.setdefault("OMP_NUM_THREADS", str(threads))
-        argv = [sys.executable, "-m", "keras_parallel.launcher.bootstrap"]
-        out.append((argv + [args.script, *args.script_args], env))
+            env.setdefault("OMP_NUM_THREADS", local_processes.cpu_threads(nproc))
+        out.append((local_processes.bootstrap_argv(args), env))
     return out
 
 
 def main(argv):
     """Parses, checks, starts and supervises; returns the exit status."""
-    args = _parser().parse_args(argv)
-    check_positive("--nproc-per-node", args.nproc_per_node)
-    check_positive("--nnodes", args.nnodes)
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(
-            f"--node-rank must be in [0, {args.nnodes}). Received: --node-rank "
-            f"{args.node_rank} with --nnodes {args.nnodes}."
-        )
-    if args.devices_per_process is not None:
-        check_positive("--devices-per-process", args.devices_per_process)
-    check_script(args.script, argv)
+    args = local_processes.parse(local_processes.parser("jax"), argv)
     if args.master_port is None:
         if args.nnodes > 1:
             raise ValueError(
@@ -97,20 +72,5 @@ def main(argv):
             )
         args.master_port = free_port(args.master_addr)
     elif args.node_rank == 0:
-        _check_port_free(args.master_addr, args.master_port)
-    return supervisor.supervise(commands(args))
-
-
-def _check_port_free(address, port):
-    """Refuses a coordinator port that something on this node already holds."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((address, port))
-        except OSError as error:
-            raise ValueError(
-                f"the coordinator port is taken. Received: --master-addr "
-                f"{address} --master-port {port} ({error.strerror}); pass a "
-                "free --master-port, or none on one node for a free one."
-            ) from None
+        local_processes.check_port_free(args.master_addr, args.master_port)
+    return local_processes.run(commands(args))

@@ -11,7 +11,7 @@ after one epoch of 1003 samples at batch 64).
 
 This module makes the weighting exact while Keras's trainer runs unchanged:
 
-- `ExactMirroredStrategy.run` records, in each replica, its sample count
+- `ExactRun.run` (the strategies' `run`) records, in each replica, its sample count
   `n` and the global count `N` (one scalar all-reduce per step);
 - while an entry point runs, `scale_loss` multiplies a replica's mean loss
   by `n / N` instead of `1 / num_replicas`, so the summed gradient is
@@ -24,7 +24,7 @@ This module makes the weighting exact while Keras's trainer runs unchanged:
   one shape);
 - `late_distribution` distributes a data set that Keras did not, and
   builds the optimizer and metrics under the strategy (the first `fit`
-  through `ShardingCallback`), and `ExactMirroredStrategy.run` splits
+  through `ShardingCallback`), and `ExactRun.run` splits
   a batch given whole (`train_on_batch`);
 - `synchronized_batchnorm` computes BatchNormalization's batch statistics over
   the global batch (Keras's `synchronized=True`), as one device would.
@@ -55,31 +55,14 @@ _keras_unscale = keras_loss.unscale_loss_for_distribution
 _keras_reduce_per_replica = keras_tf_trainer.reduce_per_replica
 
 
-class ExactMirroredStrategy(tf.distribute.MirroredStrategy):
-    """A `MirroredStrategy` whose replicas know their share of the batch.
+class ExactRun:
+    """Mixed into a mirrored strategy: its replicas know their share of the batch.
 
-    It is a `MirroredStrategy` in every other respect. Its `run` computes, in
-    each replica, `n / N` (this replica's samples over the global batch) and
+    Its `run` computes, in each replica, `n / N` (this replica's samples over
+    the global batch, all-reduced over every replica of every worker) and
     keeps it, for the losses that replica computes, in a thread-local (each
     replica runs in its own thread).
-
-    Args:
-        devices: the device names, e.g. `["cpu:0", "cpu:1"]`.
-
-    Example:
-
-    >>> strategy = ExactMirroredStrategy(["cpu:0", "cpu:1"])
-    >>> with patched(model):
-    ...     model.fit(x, y, batch_size=64)
     """
-
-    def __init__(self, devices):
-        # TensorFlow numbers the collective groups of each MirroredStrategy
-        # from the same start, so a second strategy over another device set
-        # would join the first one's group ("joining a group with size 4, but
-        # that group has size 2"). Each strategy gets its own key range.
-        self._collective_key_base = next(_key_bases)
-        super().__init__(devices=devices)
 
     def run(self, fn, args=(), kwargs=None, options=None):
         kwargs = kwargs or {}
@@ -129,6 +112,30 @@ class ExactMirroredStrategy(tf.distribute.MirroredStrategy):
             return tree.map_structure(piece, structure)
 
         return self.experimental_distribute_values_from_function(value_fn)
+
+
+class ExactMirroredStrategy(ExactRun, tf.distribute.MirroredStrategy):
+    """A `MirroredStrategy` whose replicas know their share of the batch.
+
+    It is a `MirroredStrategy` in every other respect (see `ExactRun`).
+
+    Args:
+        devices: the device names, e.g. `["cpu:0", "cpu:1"]`.
+
+    Example:
+
+    >>> strategy = ExactMirroredStrategy(["cpu:0", "cpu:1"])
+    >>> with patched(model):
+    ...     model.fit(x, y, batch_size=64)
+    """
+
+    def __init__(self, devices):
+        # TensorFlow numbers the collective groups of each MirroredStrategy
+        # from the same start, so a second strategy over another device set
+        # would join the first one's group ("joining a group with size 4, but
+        # that group has size 2"). Each strategy gets its own key range.
+        self._collective_key_base = next(_key_bases)
+        super().__init__(devices=devices)
 
 
 _strategies = {}
@@ -218,7 +225,7 @@ def global_logs(model):
     def reduce_per_replica(values, strategy, reduction):
         if (
             reduction in ("auto", "mean")
-            and isinstance(strategy, ExactMirroredStrategy)
+            and isinstance(strategy, ExactRun)
             and isinstance(values, dict)
         ):
             metric_logs = model.get_metrics_result()
@@ -242,7 +249,7 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     gives when the split is even.
     """
     strategy = self._distribute_strategy
-    if iterator is None or not isinstance(strategy, ExactMirroredStrategy):
+    if iterator is None or not isinstance(strategy, ExactRun):
         return _keras_maybe_symbolic_build(self, iterator, data_batch)
     for _, _, it in iterator:
         _build_from_first_batch(self, strategy, it)
@@ -266,7 +273,7 @@ def late_distribution(model):
     def _get_iterator(self):
         dataset = self._distributed_dataset
         strategy = tf.distribute.get_strategy()
-        if isinstance(strategy, ExactMirroredStrategy) and not isinstance(
+        if isinstance(strategy, ExactRun) and not isinstance(
             dataset, tf.distribute.DistributedDataset
         ):
             dataset = strategy.experimental_distribute_dataset(dataset)

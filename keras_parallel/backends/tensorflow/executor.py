@@ -16,6 +16,12 @@ before the distribution was given was not. So this executor
   `tf_exact`);
 - brings everything back to plain one-device variables (`release`).
 
+Across processes (`keras-parallel launch --backend tensorflow`, a
+multi-worker `TF_CONFIG`), the strategy is the one `MultiWorkerMirroredStrategy`
+the bootstrap created (`workers`), `DataParallel()` spans every device of
+every worker, every worker draws worker 0's shuffle and feeds only its rows
+of each global batch, and worker 0 alone prints and writes files.
+
 Only `DataParallel` is available: `tf.distribute` has no equivalent of a
 `LayoutMap` that Keras's TensorFlow backend drives. `ModelParallel` is
 refused in `check`, before anything is touched.
@@ -31,6 +37,9 @@ from keras_parallel.backends.base import Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
 from keras_parallel.backends.tensorflow import variables as tf_variables
+from keras_parallel.backends.tensorflow import workers as tf_workers
+from keras_parallel.backends.tensorflow.keras_compat import ArrayDataAdapter
+from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
 
 
@@ -56,11 +65,18 @@ class TensorFlowExecutor(Executor):
         self.strategy = None
         self._devices = None
         self._applied = False
+        self._undo_saving = None
 
     # ----------------------------------------------------------- devices
     @classmethod
     def list_devices(cls):
+        workers = _workers()
+        if workers is not None:
+            return workers.global_devices()
         return tf_devices.local_devices()
+
+    def device_processes(self):
+        return [tf_workers.worker_of(d) for d in self._mesh_devices()]
 
     def device_names(self, devices):
         return [tf_devices.normalize(d) for d in devices]
@@ -94,14 +110,29 @@ class TensorFlowExecutor(Executor):
                 f" axis_names={list(axes)}; pass `devices=` or a 1D "
                 "DeviceMesh."
             )
+        workers = _workers()
+        if workers is not None:
+            devices = np.asarray(distribution.device_mesh.devices).flat
+            mesh = sorted(self.device_names(list(devices)))
+            if mesh != sorted(workers.global_devices()):
+                raise ShardingError(
+                    "Across TensorFlow workers, DataParallel spans every device "
+                    "of every worker (MultiWorkerMirroredStrategy has no "
+                    f"subsets). Received: devices={mesh}; use "
+                    "keras_parallel.DataParallel() with no argument."
+                )
 
     def apply(self, model, plan):
         strategy = self._strategy_for(plan.devices)
         # A model built inside `scope` (first fit of an unbuilt model) already
         # has its variables under this strategy: only the others are moved.
+        # Across workers, variables created under the strategy take worker
+        # 0's initial values (the strategy broadcasts them).
         tf_variables.move_variables(model, strategy)
         _attach(model, strategy)
         self._applied = True
+        if not self.is_chief and self._undo_saving is None:
+            self._undo_saving = chief_only_saving(model)
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -115,7 +146,7 @@ class TensorFlowExecutor(Executor):
         try:
             # In the strategy's scope, metric states read as their sum over
             # replicas, and variables created lazily are mirrored.
-            with strategy.scope(), tf_exact.patched(model):
+            with strategy.scope(), tf_exact.patched(model), self._workers_scope():
                 yield
         finally:
             if not attached and not self._applied:
@@ -123,10 +154,42 @@ class TensorFlowExecutor(Executor):
                 # built): leave the model as it came.
                 _restore_state(model, previous)
 
+    @contextlib.contextmanager
+    def _workers_scope(self):
+        """Across workers: one shuffle (worker 0's), progress on worker 0."""
+        workers = _workers()
+        if workers is None:
+            yield
+            return
+        tf_workers.share_host_random_state(workers)
+        chief_only = None if self.is_chief else ChiefOnlyCallbacks()
+        if chief_only is not None:
+            chief_only.install()
+        try:
+            with tf_workers.numpy_shuffles(ArrayDataAdapter):
+                yield
+        finally:
+            if chief_only is not None:
+                chief_only.uninstall()
+
     def release(self, model):
+        if self._undo_saving is not None:
+            self._undo_saving()
+            self._undo_saving = None
         tf_variables.move_variables(model, None)
         _restore_state(model, (None, tf.distribute.get_strategy()))
         self._applied = False
+
+    # ------------------------------------------------------- collectives
+    @property
+    def num_processes(self):
+        workers = _workers()
+        return 1 if workers is None else workers.num_workers
+
+    @property
+    def process_index(self):
+        workers = _workers()
+        return 0 if workers is None else workers.worker_index
 
     # ----------------------------------------------------------- helpers
     def _mesh_devices(self):
@@ -134,11 +197,26 @@ class TensorFlowExecutor(Executor):
         return tuple(self.device_names(list(devices)))
 
     def _strategy_for(self, devices):
+        workers = _workers()
+        if workers is not None:
+            self.strategy = workers  # Its devices were checked in `check`.
+            return workers
         devices = tuple(devices)
         if self.strategy is None or devices != self._devices:
             self.strategy = tf_exact.strategy_for([_tf_device_name(d) for d in devices])
             self._devices = devices
         return self.strategy
+
+
+def _workers():
+    """The multi-worker strategy `TF_CONFIG` asks for, else `None`.
+
+    Made here if the bootstrap did not (a script started otherwise), which
+    works only before TensorFlow ran anything.
+    """
+    if tf_workers.strategy() is None and tf_workers.wanted():
+        tf_workers.initialize_from_environment()
+    return tf_workers.strategy()
 
 
 def _tf_device_name(name):

@@ -26,6 +26,12 @@ loss = internal(
     "scale_loss_for_distribution",
     "unscale_loss_for_distribution",
 )
+#: Keras's data set of NumPy arrays, whose `get_tf_dataset` draws the epoch's
+#: shuffle; across workers it is drawn from NumPy (`workers.numpy_shuffles`).
+ArrayDataAdapter = internal(
+    "keras.src.trainers.data_adapters.array_data_adapter",
+    "ArrayDataAdapter.get_tf_dataset",
+).ArrayDataAdapter
 #: Keras's nested-structure utilities (flatten / map_structure).
 tree = internal("keras.src.tree", "flatten", "map_structure")
 #: The layer whose batch statistics `exact.synchronized_batchnorm` makes global.

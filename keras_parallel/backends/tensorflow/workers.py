@@ -1,0 +1,238 @@
+"""TensorFlow across processes: one `MultiWorkerMirroredStrategy` from `TF_CONFIG`.
+
+`keras-parallel launch --backend tensorflow` (or a cluster's own launcher)
+gives each process a `TF_CONFIG` naming every worker's address and this
+worker's index. The strategy must exist before TensorFlow runs anything
+(it configures the runtime's collectives and starts this worker's server),
+so `keras_parallel.launcher.bootstrap` calls `initialize_from_environment`
+before the user's script runs, and the executor reuses that one strategy.
+
+On a machine without GPUs, `KERAS_PARALLEL_DEVICES_PER_PROCESS=K` (set by
+`--devices-per-process K`) splits each worker's CPU into K logical devices,
+and the strategy runs one replica on each (TensorFlow's own would use one
+CPU device per worker).
+
+What the workers must share besides the variables (which the strategy
+broadcasts from worker 0 when they are created under its scope):
+`share_host_random_state` gives every worker worker 0's NumPy and Python
+random state, and `numpy_shuffles` makes Keras draw its epoch permutation
+from NumPy, so that every worker cuts its rows from the same shuffle.
+"""
+
+import contextlib
+import json
+import os
+import pickle
+import random
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy
+
+from keras_parallel.backends.tensorflow import devices as tf_devices
+from keras_parallel.backends.tensorflow import exact as tf_exact
+from keras_parallel.launcher.tf_processes import DEVICES_ENV
+
+_strategy = None
+
+
+def cluster_workers(environ=None):
+    """The worker addresses `TF_CONFIG` lists, and this worker's index.
+
+    Args:
+        environ: the environment to read; defaults to `os.environ`.
+
+    Returns:
+        `(addresses, index)`; `([], 0)` without a `TF_CONFIG`.
+
+    Raises:
+        ValueError: `TF_CONFIG` is not JSON with a `cluster.worker` list.
+    """
+    text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
+    if not text.strip():
+        return [], 0
+    try:
+        config = json.loads(text)
+        addresses = list(config.get("cluster", {}).get("worker", []))
+        index = int(config.get("task", {}).get("index", 0))
+    except (ValueError, AttributeError, TypeError) as error:
+        raise ValueError(
+            "TF_CONFIG is not a cluster description. Received: TF_CONFIG="
+            f"{text[:200]!r} ({error}); set it to JSON such as "
+            '{"cluster": {"worker": ["host0:12345", "host1:12345"]}, '
+            '"task": {"type": "worker", "index": 0}}.'
+        ) from None
+    return addresses, index
+
+
+def wanted():
+    """Whether `TF_CONFIG` asks for more than one worker."""
+    return len(cluster_workers()[0]) > 1
+
+
+def strategy():
+    """The process's multi-worker strategy, or `None` in one process."""
+    return _strategy
+
+
+def initialize_from_environment():
+    """Creates the multi-worker strategy `TF_CONFIG` asks for, once.
+
+    Call it before TensorFlow runs anything.
+
+    Returns:
+        The `ExactMultiWorkerMirroredStrategy`, or `None` if `TF_CONFIG`
+        names fewer than two workers (the CPU is still split as
+        `KERAS_PARALLEL_DEVICES_PER_PROCESS` asks).
+
+    Raises:
+        RuntimeError: TensorFlow already started in this process.
+    """
+    global _strategy
+    count = os.environ.get(DEVICES_ENV)
+    if _strategy is not None or not wanted():
+        if count and _strategy is None and not tf.config.list_physical_devices("GPU"):
+            tf_devices.split_cpu(int(count))  # One worker: a local strategy.
+        return _strategy
+    try:
+        if count and not tf.config.list_physical_devices("GPU"):
+            # Not `split_cpu`: listing the devices would start the runtime.
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * int(count)
+            )
+        _strategy = ExactMultiWorkerMirroredStrategy()
+    except (RuntimeError, ValueError) as error:
+        raise RuntimeError(
+            "Cannot start TensorFlow across processes: the strategy must be "
+            "made before TensorFlow runs anything. Received: TF_CONFIG with "
+            f"{len(cluster_workers()[0])} workers and {error}; start the "
+            "script with `keras-parallel launch --backend tensorflow` or "
+            "`python -m keras_parallel.launcher.bootstrap train.py`."
+        ) from error
+    return _strategy
+
+
+class ExactMultiWorkerMirroredStrategy(
+    tf_exact.ExactRun, tf.distribute.MultiWorkerMirroredStrategy
+):
+    """A `MultiWorkerMirroredStrategy` whose replicas know their share.
+
+    The replicas of every worker: each worker's GPUs, else its logical CPU
+    devices (all of them, where TensorFlow's own takes one). See
+    `tf_exact.ExactRun` for the exact loss weighting.
+    """
+
+    def __init__(self):
+        extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+        keras_local_devices = extended._initialize_local_devices
+        extended._initialize_local_devices = _every_cpu_device(keras_local_devices)
+        try:
+            super().__init__()
+        finally:
+            extended._initialize_local_devices = keras_local_devices
+
+    @property
+    def num_workers(self):
+        return self.extended._num_workers
+
+    @property
+    def worker_index(self):
+        return self.extended._task_id
+
+    def global_devices(self):
+        """Every replica's device, worker by worker: `["worker0/cpu:0", ...]`."""
+        local = [tf_devices.normalize(d) for d in self.extended.worker_devices]
+        return [f"worker{w}/{d}" for w in range(self.num_workers) for d in local]
+
+
+def _every_cpu_device(keras_local_devices):
+    def local_devices(self, cluster_resolver, worker_device):
+        devices, kind = keras_local_devices(self, cluster_resolver, worker_device)
+        if kind == "CPU":
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            count = len(tf.config.get_logical_device_configuration(cpu) or [None])
+            devices = tuple(f"{worker_device}/device:CPU:{i}" for i in range(count))
+        return devices, kind
+
+    return local_devices
+
+
+def worker_of(device):
+    """The worker index in a device name `"worker<i>/<type>:<n>"`, else 0."""
+    head, _, rest = str(device).partition("/")
+    if rest and head.startswith("worker") and head[6:].isdigit():
+        return int(head[6:])
+    return 0
+
+
+# NumPy's and Python's Mersenne states, pickled, fit well within this.
+_STATE_BYTES = 32768
+
+
+def share_host_random_state(strategy):
+    """Gives every worker worker 0's NumPy and Python random state.
+
+    One all-reduce of `_STATE_BYTES` floats, to which only worker 0's first
+    replica contributes.
+    """
+    payload = pickle.dumps((np.random.get_state(), random.getstate()))
+    if len(payload) + 4 > _STATE_BYTES:
+        raise RuntimeError(f"random state of {len(payload)} bytes")
+    buffer = np.zeros(_STATE_BYTES, np.float32)
+    buffer[:4] = np.frombuffer(len(payload).to_bytes(4, "little"), np.uint8)
+    buffer[4 : 4 + len(payload)] = np.frombuffer(payload, np.uint8)
+    zeros = np.zeros_like(buffer)
+
+    def value_fn(context):
+        first = context.replica_id_in_sync_group == 0
+        return tf.constant(buffer if first else zeros)
+
+    with strategy.scope():
+        values = strategy.experimental_distribute_values_from_function(value_fn)
+        total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+    data = np.asarray(total.numpy(), np.float32).round().astype(np.uint8)
+    length = int.from_bytes(data[:4].tobytes(), "little")
+    numpy_state, python_state = pickle.loads(data[4 : 4 + length].tobytes())
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+
+
+def _numpy_shuffle(value, seed=None, name=None):
+    """`tf.random.shuffle` drawn from NumPy's global state (see `numpy_shuffles`)."""
+
+    def permute(array):
+        return np.random.permutation(array.numpy())
+
+    out = tf.py_function(permute, [value], value.dtype)
+    out.set_shape(value.shape)
+    return out
+
+
+@contextlib.contextmanager
+def numpy_shuffles(adapter_class):
+    """Keras's array data set shuffles with NumPy while this scope is entered.
+
+    Keras's TensorFlow data set of NumPy arrays draws each epoch's
+    permutation with `tf.random.shuffle`, whose state no two processes
+    share. Traced with NumPy's permutation instead (the one Keras's other
+    backends draw), every worker draws the same one from the shared state.
+
+    Args:
+        adapter_class: Keras's `ArrayDataAdapter`.
+    """
+    keras_get_tf_dataset = adapter_class.get_tf_dataset
+
+    def get_tf_dataset(self):
+        tf_shuffle = tf.random.shuffle
+        tf.random.shuffle = _numpy_shuffle
+        try:
+            return keras_get_tf_dataset(self)
+        finally:
+            tf.random.shuffle = tf_shuffle
+
+    adapter_class.get_tf_dataset = get_tf_dataset
+    try:
+        yield
+    finally:
+        adapter_class.get_tf_dataset = keras_get_tf_dataset

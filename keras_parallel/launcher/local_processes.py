@@ -1,0 +1,114 @@
+"""What `keras-parallel launch` shares between JAX and TensorFlow processes.
+
+Both start N processes of this node through
+`python -m keras_parallel.launcher.bootstrap script.py`, supervised by
+`keras_parallel.launcher.supervisor`; they differ only in the environment
+each process gets (`jax_processes.commands`, `tf_processes.commands`). Here:
+the options, their checks, and the port check, so that a bad launch reads
+the same on both.
+"""
+
+import argparse
+import os
+import socket
+import sys
+
+from keras_parallel.launcher import supervisor
+from keras_parallel.launcher.cli import check_positive, check_script
+
+
+def parser(backend):
+    """The options of `keras-parallel launch --backend <backend>`.
+
+    Args:
+        backend: `"jax"` or `"tensorflow"`, for the usage line.
+
+    Returns:
+        An `argparse.ArgumentParser`; the caller may add options.
+    """
+    out = argparse.ArgumentParser(prog=f"keras-parallel launch --backend {backend}")
+    out.add_argument("--nproc-per-node", "--nproc", type=int, default=1)
+    out.add_argument("--nnodes", type=int, default=1)
+    out.add_argument("--node-rank", type=int, default=0)
+    out.add_argument("--master-addr", default="127.0.0.1")
+    out.add_argument("--master-port", type=int, default=None)
+    out.add_argument("--devices-per-process", type=int, default=None)
+    return out
+
+
+def parse(option_parser, argv):
+    """Parses `argv` (options, script, script args) and checks the options.
+
+    Args:
+        option_parser: from `parser`, with any extra options added.
+        argv: the arguments after `--backend B`.
+
+    Returns:
+        The parsed options; `script` and `script_args` included.
+
+    Raises:
+        ValueError: a count below 1, a node rank out of range, no script.
+    """
+    option_parser.add_argument("script", nargs="?")
+    option_parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = option_parser.parse_args(argv)
+    check_positive("--nproc-per-node", args.nproc_per_node)
+    check_positive("--nnodes", args.nnodes)
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(
+            f"--node-rank must be in [0, {args.nnodes}). Received: --node-rank "
+            f"{args.node_rank} with --nnodes {args.nnodes}."
+        )
+    if args.devices_per_process is not None:
+        check_positive("--devices-per-process", args.devices_per_process)
+    check_script(args.script, argv)
+    return args
+
+
+def bootstrap_argv(args):
+    """The command line of one process: the bootstrap, then the script."""
+    return [
+        sys.executable,
+        "-m",
+        "keras_parallel.launcher.bootstrap",
+        args.script,
+        *args.script_args,
+    ]
+
+
+def cpu_threads(nproc):
+    """Each process's share of this node's cores (for simulated CPU devices)."""
+    return str(max(1, (os.cpu_count() or 1) // nproc))
+
+
+def check_port_free(address, port, role="coordinator"):
+    """Refuses a port that something on this node already holds.
+
+    Args:
+        address: the address the process will listen on.
+        port: the port.
+        role: what listens there, for the message (`"coordinator"`,
+            `"worker 1"`).
+
+    Raises:
+        ValueError: naming the port and the fix.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, port))
+        except OSError as error:
+            raise ValueError(
+                f"the {role} port is taken. Received: port {port} on "
+                f"{address} ({error.strerror}); pass a free --master-port, "
+                "or none on one node for free ports."
+            ) from None
+
+
+def run(commands, label="process"):
+    """Starts and supervises the processes; returns the launcher's exit status.
+
+    Args:
+        commands: one `(argv, env)` per process of this node.
+        label: what the messages call a process (`"process"`, `"worker"`).
+    """
+    return supervisor.supervise(commands, label=label)

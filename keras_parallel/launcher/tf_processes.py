@@ -1,0 +1,148 @@
+"""`keras-parallel launch --backend tensorflow`: the workers of one node.
+
+TensorFlow's multi-worker runtime has no coordinator that hands out
+addresses: every worker's `TF_CONFIG` lists the address of every worker of
+every node, and each worker listens on its own entry. So the addresses are
+fixed by a rule every node computes alike:
+
+- worker `g = node_rank * N + i` (N = `--nproc-per-node`) is TensorFlow's
+  task `g`, worker 0 the chief (it writes files, its initial weights win);
+- it listens on its node's address, port `--master-port + g`;
+- one node: the address is `--master-addr` (default 127.0.0.1), and without
+  `--master-port` each worker gets a free port;
+- several nodes: `--node-addrs A0,A1,...` gives every node's address in
+  node-rank order, and `--master-port` is required (the same on every
+  node), so ports `P .. P + M*N - 1` must be free on the nodes.
+
+Each worker runs `keras_parallel.launcher.bootstrap`, which creates the
+`MultiWorkerMirroredStrategy` (and, with `--devices-per-process K` on CPU,
+K logical CPU devices) before the user's script runs; the workers are
+supervised together (`keras_parallel.launcher.supervisor`).
+"""
+
+import json
+import os
+
+from keras_parallel.launcher import local_processes
+from keras_parallel.launcher.processes import free_port
+
+#: Logical CPU devices per worker (`backends/tensorflow/workers.py` reads it).
+DEVICES_ENV = "KERAS_PARALLEL_DEVICES_PER_PROCESS"
+
+
+def _parser():
+    parser = local_processes.parser("tensorflow")
+    parser.add_argument("--node-addrs", default=None)
+    parser.set_defaults(master_addr=None)
+    return parser
+
+
+def node_addresses(args):
+    """Every node's address, in node-rank order.
+
+    Raises:
+        ValueError: several nodes without `--node-addrs` or `--master-port`,
+            a list of the wrong length, or `--master-addr` not node 0's.
+    """
+    if args.node_addrs is None:
+        if args.nnodes > 1:
+            raise ValueError(
+                "several TensorFlow nodes need every node's address. Received: "
+                f"--nnodes {args.nnodes} without --node-addrs; pass the same "
+                "--node-addrs A0,A1,... (node 0 first) and --master-port on "
+                "every node."
+            )
+        return [args.master_addr or "127.0.0.1"]
+    addresses = [a.strip() for a in args.node_addrs.split(",") if a.strip()]
+    if len(addresses) != args.nnodes:
+        raise ValueError(
+            "--node-addrs must list one address per node. Received: "
+            f"--node-addrs {args.node_addrs} ({len(addresses)} addresses) with "
+            f"--nnodes {args.nnodes}; list {args.nnodes} addresses, node 0 first."
+        )
+    if args.master_addr not in (None, addresses[0]):
+        raise ValueError(
+            "--master-addr must be node 0's address. Received: --master-addr "
+            f"{args.master_addr} and --node-addrs {args.node_addrs}; drop "
+            "--master-addr (--node-addrs gives node 0's address)."
+        )
+    if args.master_port is None and args.nnodes > 1:
+        raise ValueError(
+            "several TensorFlow nodes need one base port. Received: --nnodes "
+            f"{args.nnodes} without --master-port; pass the same --master-port "
+            "on every node (worker g listens on --master-port + g)."
+        )
+    return addresses
+
+
+def worker_addresses(args, addresses, ports=None):
+    """Every worker's `host:port`, in worker (task) order.
+
+    Args:
+        args: the parsed options.
+        addresses: every node's address (`node_addresses`).
+        ports: this node's ports when no `--master-port` was given (one
+            node), else `None`.
+    """
+    nproc = args.nproc_per_node
+    out = []
+    for node, address in enumerate(addresses):
+        for local in range(nproc):
+            g = node * nproc + local
+            port = ports[local] if ports else args.master_port + g
+            out.append(f"{address}:{port}")
+    return out
+
+
+def commands(args, workers, base_env=None):
+    """One `(argv, env)` per worker of this node.
+
+    Args:
+        args: the parsed options.
+        workers: every worker's `host:port` (`worker_addresses`).
+        base_env: the environment to start from; defaults to `os.environ`.
+
+    Returns:
+        A list of `(argv, env)`, in worker order.
+    """
+    base = dict(os.environ if base_env is None else base_env)
+    nproc = args.nproc_per_node
+    out = []
+    for local in range(nproc):
+        task = {"type": "worker", "index": args.node_rank * nproc + local}
+        env = dict(
+            base,
+            KERAS_BACKEND="tensorflow",
+            TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": task}),
+        )
+        if args.devices_per_process:
+            env[DEVICES_ENV] = str(args.devices_per_process)
+            env.setdefault("OMP_NUM_THREADS", local_processes.cpu_threads(nproc))
+        out.append((local_processes.bootstrap_argv(args), env))
+    return out
+
+
+def main(argv):
+    """Parses, checks, starts and supervises; returns the exit status."""
+    args = local_processes.parse(_parser(), argv)
+    addresses = node_addresses(args)
+    here = addresses[args.node_rank]
+    ports = None
+    if args.master_port is None:
+        ports = _free_ports(here, args.nproc_per_node)
+    workers = worker_addresses(args, addresses, ports)
+    first = args.node_rank * args.nproc_per_node
+    for g in range(first, first + args.nproc_per_node):
+        port = int(workers[g].rsplit(":", 1)[1])
+        local_processes.check_port_free(here, port, role=f"worker {g}")
+    return local_processes.run(commands(args, workers), label="worker")
+
+
+def _free_ports(address, count):
+    """`count` distinct free ports on `address`."""
+    ports = []
+    while len(ports) < count:
+        port = free_port(address)
+        if port not in ports:
+            ports.append(port)
+    return ports
