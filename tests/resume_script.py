@@ -4,9 +4,10 @@
 dropout, Adam and a shuffled, uneven 203-sample epoch for 4 epochs under
 `DataParallel`, with `keras.callbacks.BackupAndRestore(BACKUP)`, and writes
 process 0's final weights to `OUT/weights.npz`. With `KILL="self"` process
-0 kills itself with SIGKILL at epoch 2, batch 3; with `KILL="wait"` it
-writes `OUT/killpoint` there and waits to be killed (the test SIGKILLs
-every process). Run directly (one process) or through
+0 writes `OUT/killpoint` at epoch 2, batch 3 and kills itself with
+SIGKILL; with `KILL="wait"` it writes it and waits to be killed (the test
+kills every process, or the launcher). Once `OUT/killpoint` exists, no
+process is killed again (a restarted run trains to the end). Run directly (one process) or through
 `keras-parallel launch`. The tests import `build` and `train` for the
 uninterrupted reference.
 """
@@ -76,12 +77,15 @@ class Kill(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        marker = os.path.join(self.out, "killpoint")
         if (self.epoch, batch) != KILL_AT or not _is_chief():
             return
+        if os.path.exists(marker):
+            return  # Killed once already: this is the restarted run.
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
         if self.how == "self":
             os.kill(os.getpid(), signal.SIGKILL)
-        with open(os.path.join(self.out, "killpoint"), "w") as f:
-            f.write(str(os.getpid()))
         time.sleep(300)
 
 

@@ -5,9 +5,9 @@ import os
 import keras
 import numpy as np
 import pytest
+import resume_script
 
 import keras_parallel
-import resume_script
 from keras_parallel import atomic
 
 

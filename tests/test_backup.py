@@ -13,8 +13,8 @@ import os
 import keras
 import numpy as np
 import pytest
-
 import resume_script
+
 from keras_parallel import backup
 
 BACKEND = keras.backend.backend()

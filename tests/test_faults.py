@@ -1,13 +1,19 @@
-"""Killed with SIGKILL mid-epoch and started again: the same final weights.
+"""Faults across processes: killed, stopped, restarted; backups resume exactly.
 
 `tests/resume_script.py` trains with `keras.callbacks.BackupAndRestore`, a
-shuffled uneven epoch and seeded dropout; it is killed in the middle of
-epoch 2 (every process, with SIGKILL), the same command is run again, and
-its final weights must equal an uninterrupted run. Keras's own
-`BackupAndRestore` resumes with another shuffle (a 6e-2 difference here):
-keras_parallel keeps the random state in the backup (`keras_parallel.backup`).
+shuffled uneven epoch and seeded dropout. It is killed in the middle of
+epoch 2 (every process with SIGKILL; one process with SIGKILL; the launcher
+with SIGTERM or SIGINT), and
+
+- every process ends within the time allowed, the launcher exits non-zero
+  naming the rank, and no process is left (counted);
+- the same command run again (or restarted by `--max-restarts`) ends with
+  the weights of an uninterrupted run. Keras's own `BackupAndRestore`
+  resumes with another shuffle (6e-2 apart here): keras_parallel keeps the
+  random state in the backup (`keras_parallel.backup`).
+
 One JAX process with 8 devices, 2 JAX processes x 4 devices, 2 torch
-processes. Every launch has a hard timeout; no process may be left.
+processes. Every launch has a hard timeout.
 """
 
 import os
@@ -31,10 +37,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def command(processes, *args):
+def command(processes, *args, restarts=0):
     if processes == 1:
         return [sys.executable, SCRIPT, *map(str, args)]
     options = ["--nproc-per-node", str(processes)]
+    if restarts:
+        options += ["--max-restarts", str(restarts)]
     if BACKEND == "jax":
         options += ["--devices-per-process", "4"]
     return [
@@ -119,22 +127,105 @@ def test_one_jax_process_killed_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_every_process_killed_resumes_exactly(tmp_path):
-    backup = tmp_path / "backup"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights of an uninterrupted run, and the tolerance."""
     if BACKEND == "jax":
-        expected = reference_in_process()  # 2 x 4 devices = 1 x 8 devices.
-        rtol = 1e-5
-    else:
-        reference = tmp_path / "reference"
-        reference.mkdir()
-        result = run(2, reference, tmp_path / "reference_backup")
-        assert result.returncode == 0, result.stderr[-4000:]
-        expected = final_weights(reference)
-        rtol = 1e-6
-    kill_every_process_at_killpoint(2, tmp_path, backup)
-    resumed = run(2, tmp_path, backup)
+        return reference_in_process(), 1e-5  # 2 x 4 devices = 1 x 8.
+    reference = tmp_path_factory.mktemp("reference")
+    result = run(2, reference, reference / "backup")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return final_weights(reference), 1e-6
+
+
+def start(processes, out, *args):
+    """Starts the script in a session of its own; returns the Popen."""
+    return subprocess.Popen(
+        command(processes, out, *args),
+        env=checkout_env(KERAS_BACKEND=BACKEND),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for_killpoint(process, out):
+    deadline = time.monotonic() + TIMEOUT_S
+    while not os.path.exists(os.path.join(out, "killpoint")):
+        if process.poll() is not None:
+            return  # Ended (killed itself) before the test saw the marker.
+        assert time.monotonic() < deadline, "never reached the kill point"
+        time.sleep(0.2)
+
+
+def finish(process, timeout):
+    """Waits `timeout` s for the launcher; kills its session if it overruns.
+
+    Returns:
+        `(exit code, stderr, seconds waited)`.
+    """
+    began = time.monotonic()
+    try:
+        _, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, err = process.communicate()
+        pytest.fail(f"still running {timeout} s after the fault:\n{err[-3000:]}")
+    return process.returncode, err, time.monotonic() - began
+
+
+def resume_and_compare(out, backup, uninterrupted):
+    resumed = run(2, out, backup)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert_weights_equal(final_weights(tmp_path), expected, rtol)
+    expected, rtol = uninterrupted
+    assert_weights_equal(final_weights(out), expected, rtol)
+    assert running(str(out)) == []
+
+
+def test_every_process_killed_resumes_exactly(tmp_path, uninterrupted):
+    backup = tmp_path / "backup"
+    kill_every_process_at_killpoint(2, tmp_path, backup)
+    resume_and_compare(tmp_path, backup, uninterrupted)
+    expected, _ = uninterrupted
     initial = [np.asarray(w) for w in __import__("resume_script").build().get_weights()]
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(expected, initial)) > 1e-2
+
+
+def test_one_process_killed_ends_every_process(tmp_path):
+    process = start(2, tmp_path, tmp_path / "backup", "self")
+    wait_for_killpoint(process, tmp_path)
+    code, err, seconds = finish(process, 60)
+    assert code != 0
+    assert seconds < 60
+    name = "rank 0" if BACKEND == "torch" else "process 0"
+    assert f"{name} failed" in err, err[-3000:]
+    assert running(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stopped_launcher_ends_every_process_and_its_backup_resumes(
+    tmp_path, uninterrupted, signum
+):
+    backup = tmp_path / "backup"
+    process = start(2, tmp_path, backup, "wait")
+    wait_for_killpoint(process, tmp_path)
+    os.kill(process.pid, signum)
+    code, err, seconds = finish(process, 30)
+    assert code != 0
+    assert running(str(tmp_path)) == [], err[-3000:]
+    resume_and_compare(tmp_path, backup, uninterrupted)
+
+
+def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterrupted):
+    backup = tmp_path / "backup"
+    result = run_in_session(
+        command(2, tmp_path, backup, "self", restarts=1),
+        checkout_env(KERAS_BACKEND=BACKEND),
+        TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert os.path.exists(tmp_path / "killpoint")  # It was killed once.
+    expected, rtol = uninterrupted
+    assert_weights_equal(final_weights(tmp_path), expected, rtol)
     assert running(str(tmp_path)) == []

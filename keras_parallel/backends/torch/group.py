@@ -103,14 +103,49 @@ def ensure_process_group():
         # Keras puts variables on the current CUDA device: make it ours
         # before any variable exists.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
-        init_method="env://",
-        timeout=datetime.timedelta(seconds=timeout_seconds()),
-    )
+    timeout = datetime.timedelta(seconds=timeout_seconds())
+    backend = "nccl" if use_cuda else "gloo"
+    store = _store_of_this_attempt(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=env_world_size(),
+            timeout=timeout,
+        )
     _started_here = True
     atexit.register(teardown)
     return dist.get_world_size() > 1
+
+
+def _store_of_this_attempt(timeout):
+    """The launcher's store, seen through a prefix of this restart attempt.
+
+    Under torchrun (`keras-parallel launch`) the workers of every restart
+    attempt share one TCPStore, that of the elastic agent
+    (`TORCHELASTIC_USE_AGENT_STORE=True`), and `env://` does not tell the
+    attempts apart: a restarted rank can read the address a rank of the
+    previous attempt published and fail with "Gloo connectFullMesh failed
+    ... Connection refused" (2 runs in 5 here). A prefix per attempt keeps
+    each attempt's keys its own.
+
+    Returns:
+        A `PrefixStore`, or None where `env://` is safe (no agent store).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=env_world_size(),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"/keras_parallel/attempt_{attempt}", store)
 
 
 def device_type():
