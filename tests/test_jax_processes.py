@@ -194,6 +194,7 @@ def test_a_taken_coordinator_port_is_named(tmp_path):
         (["--nproc-per-node", "0"], "--nproc-per-node must be a positive number"),
         (["--nnodes", "2"], "several nodes need one coordinator port"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be in [0, 2)"),
+        (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
     ],
 )
 def test_bad_launch_options_name_the_fix(tmp_path, options, message):

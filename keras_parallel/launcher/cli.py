@@ -20,13 +20,16 @@ import sys
 _USAGE = (
     "usage: keras-parallel launch [--backend B] [--nproc-per-node N] "
     "[--nnodes M --node-rank R --master-addr A --master-port P] "
-    "[--devices-per-process K] script.py [script args]\n\n"
+    "[--devices-per-process K] [--max-restarts R] script.py [script args]\n\n"
     "Runs script.py in N processes per node, on the backend B (default: "
     "$KERAS_BACKEND). torch: through torch.distributed.run (torchrun); every "
     "torchrun option works. jax: through jax.distributed; tensorflow: "
     "through tf.distribute.MultiWorkerMirroredStrategy (several nodes: "
     "--node-addrs A0,A1,... and --master-port P; worker g listens on P + g). "
-    "--devices-per-process K simulates K CPU devices per process."
+    "--devices-per-process K simulates K CPU devices per process. "
+    "--max-restarts R: a failed group is ended and started again, up to R "
+    "times (with keras.callbacks.BackupAndRestore, training goes on from "
+    "the last backup)."
 )
 BACKENDS = ("jax", "tensorflow", "torch")
 

@@ -70,7 +70,13 @@ def main(argv):
                 f"{args.nnodes} without --master-port; pass the same "
                 "--master-addr and --master-port on every node."
             )
-        args.master_port = free_port(args.master_addr)
-    elif args.node_rank == 0:
+
+        def attempt(number):
+            # A fresh port per attempt: the last coordinator's may linger.
+            args.master_port = free_port(args.master_addr)
+            return commands(args)
+
+        return local_processes.run(attempt, args)
+    if args.node_rank == 0:
         local_processes.check_port_free(args.master_addr, args.master_port)
-    return local_processes.run(commands(args))
+    return local_processes.run(commands(args), args)

@@ -33,6 +33,7 @@ def parser(backend):
     out.add_argument("--master-addr", default="127.0.0.1")
     out.add_argument("--master-port", type=int, default=None)
     out.add_argument("--devices-per-process", type=int, default=None)
+    out.add_argument("--max-restarts", type=int, default=0)
     return out
 
 
@@ -61,6 +62,11 @@ def parse(option_parser, argv):
         )
     if args.devices_per_process is not None:
         check_positive("--devices-per-process", args.devices_per_process)
+    if args.max_restarts < 0:
+        raise ValueError(
+            "--max-restarts must be 0 or more. Received: --max-restarts "
+            f"{args.max_restarts}; pass e.g. --max-restarts 3."
+        )
     check_script(args.script, argv)
     return args
 
@@ -104,11 +110,13 @@ def check_port_free(address, port, role="coordinator"):
             ) from None
 
 
-def run(commands, label="process"):
+def run(commands, args, label="process"):
     """Starts and supervises the processes; returns the launcher's exit status.
 
     Args:
-        commands: one `(argv, env)` per process of this node.
+        commands: one `(argv, env)` per process of this node, or a function
+            of the attempt number returning them (see `supervisor`).
+        args: the parsed options (`--max-restarts`).
         label: what the messages call a process (`"process"`, `"worker"`).
     """
-    return supervisor.supervise(commands, label=label)
+    return supervisor.supervise(commands, label=label, max_restarts=args.max_restarts)

@@ -8,7 +8,9 @@ torchrun's elastic agent). The rules:
   `FAILURE_GRACE_S` to stop by themselves (they usually fail at their next
   collective), then SIGTERM, then SIGKILL: nothing is left behind;
 - SIGTERM or Ctrl-C to the launcher is passed on to every process, with the
-  same escalation.
+  same escalation;
+- with `max_restarts` K, a failed group is ended whole and started again,
+  up to K times (torchrun's policy for torch).
 """
 
 import signal
@@ -22,18 +24,24 @@ FAILURE_GRACE_S = 10.0
 TERMINATE_GRACE_S = 10.0
 
 
-def supervise(commands, label="process"):
+def supervise(commands, label="process", max_restarts=0):
     """Starts one process per `(argv, env)` and waits for all of them.
 
     Args:
-        commands: a list of `(argv, env)`, one per process, in rank order.
+        commands: a list of `(argv, env)`, one per process, in rank order;
+            or a function of the attempt number (0, 1, ...) that returns
+            one (a restart may need new ports).
         label: what the messages call a process.
+        max_restarts: how many times a failed group is ended and started
+            again, whole (as torchrun's `--max-restarts`). Each attempt's
+            processes see `KERAS_PARALLEL_RESTART_COUNT`; a script with
+            `keras.callbacks.BackupAndRestore` goes on from its last backup.
+            A launcher stopped by a signal does not restart.
 
     Returns:
         0, the first failed process's exit code (1 if a signal ended it),
         or 128 + the signal number if the launcher was stopped by one.
     """
-    processes = [subprocess.Popen(argv, env=env) for argv, env in commands]
     stopped = []
 
     def stop(signum, frame):
@@ -41,11 +49,36 @@ def supervise(commands, label="process"):
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        for attempt in range(max_restarts + 1):
+            group = commands(attempt) if callable(commands) else commands
+            code = _run_group(group, attempt, stopped, label)
+            if code == 0 or stopped or attempt == max_restarts:
+                return code
+            print(
+                f"keras-parallel launch: starting every {label} again (restart "
+                f"{attempt + 1} of {max_restarts}).",
+                file=sys.stderr,
+            )
+        return code
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+#: The attempt number each process sees: 0, then 1 after the first restart.
+RESTART_ENV = "KERAS_PARALLEL_RESTART_COUNT"
+
+
+def _run_group(commands, attempt, stopped, label):
+    processes = []
+    try:
+        for argv, env in commands:
+            processes.append(
+                subprocess.Popen(argv, env=dict(env, **{RESTART_ENV: str(attempt)}))
+            )
         return _wait(processes, stopped, label)
     finally:
         _end(processes)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _wait(processes, stopped, label):

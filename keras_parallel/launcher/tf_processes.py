@@ -135,7 +135,16 @@ def main(argv):
     for g in range(first, first + args.nproc_per_node):
         port = int(workers[g].rsplit(":", 1)[1])
         local_processes.check_port_free(here, port, role=f"worker {g}")
-    return local_processes.run(commands(args, workers), label="worker")
+    if ports is None:
+        return local_processes.run(commands(args, workers), args, label="worker")
+
+    def attempt(number):
+        # Fresh ports per attempt: the last workers' servers may linger.
+        if number:
+            ports[:] = _free_ports(here, args.nproc_per_node)
+        return commands(args, worker_addresses(args, addresses, ports))
+
+    return local_processes.run(attempt, args, label="worker")
 
 
 def _free_ports(address, count):
