@@ -64,7 +64,7 @@ def file_argument(args, kwargs):
     return None, None
 
 
-def call_replacing(save, args, kwargs, executor=None):
+def call_replacing(save, args, kwargs, executor=None, model=None):
     """Calls `save(*args, **kwargs)` so that its file appears whole.
 
     Args:
@@ -74,14 +74,15 @@ def call_replacing(save, args, kwargs, executor=None):
         args: its positional arguments.
         kwargs: its keyword arguments.
         executor: the model's executor, if it is distributed: its
-            `saving()` is in force while the file is written.
+            `saving(model)` is in force while the file is written.
+        model: the model `save` saves (with `executor`).
 
     Returns:
         What `save` returns.
     """
     path, rebuild = file_argument(args, kwargs)
     local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
-    context = executor.saving() if executor is not None else contextlib.nullcontext()
+    context = contextlib.nullcontext() if executor is None else executor.saving(model)
     with context:
         if not local or (not kwargs.get("overwrite", True) and os.path.exists(path)):
             return save(*args, **kwargs)
@@ -105,7 +106,7 @@ def atomic_saving(model, executor=None):
         method = getattr(model, name)
 
         def save(*args, _method=method, **kwargs):
-            return call_replacing(_method, args, kwargs, executor)
+            return call_replacing(_method, args, kwargs, executor, model)
 
         object.__setattr__(model, name, save)
 

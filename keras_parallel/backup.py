@@ -117,6 +117,8 @@ def _save(callback, executor):
             "random_state": state,
         },
     }
+    if not executor.is_chief:
+        return  # Its part of a collective save is done; rank 0 writes.
     if callback.double_checkpoint and previous:
         atomic.write_text(callback._prev_training_metadata_path, json.dumps(previous))
     atomic.write_text(callback._training_metadata_path, json.dumps(metadata))

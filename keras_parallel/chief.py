@@ -35,21 +35,19 @@ _HOOKS = (
 )
 
 
-def _silenced():
+def _silenced(collective_saving):
     """`{callback class: hooks silenced on non-chief ranks}`."""
-    writers = [
-        callbacks.ProgbarLogger,
-        callbacks.ModelCheckpoint,
-        callbacks.CSVLogger,
-        callbacks.TensorBoard,
-    ]
+    writers = [callbacks.ProgbarLogger, callbacks.CSVLogger, callbacks.TensorBoard]
+    if not collective_saving:
+        writers.append(callbacks.ModelCheckpoint)
     silenced = {cls: _HOOKS for cls in writers}
     # BackupAndRestore reads its backup on every rank (on_train_begin) and
-    # writes or deletes it on rank 0 only.
+    # deletes it on rank 0 only; where saving is collective, every rank saves
+    # (rank 0 alone writes), else rank 0 alone saves.
     silenced[callbacks.BackupAndRestore] = (
-        "on_epoch_end",
-        "on_train_batch_end",
-        "on_train_end",
+        ("on_train_end",)
+        if collective_saving
+        else ("on_epoch_end", "on_train_batch_end", "on_train_end")
     )
     return silenced
 
@@ -59,13 +57,21 @@ def _noop(self, *args, **kwargs):
 
 
 class ChiefOnlyCallbacks:
-    """Silences printing and file-writing callbacks on non-chief ranks."""
+    """Silences printing and file-writing callbacks on non-chief ranks.
 
-    def __init__(self):
+    Args:
+        collective_saving: saving is a collective every rank must join (JAX
+            across processes gathers split variables): `ModelCheckpoint`
+            and `BackupAndRestore` then run on every rank, and
+            `chief_only_saving` makes the model's saves write on rank 0 only.
+    """
+
+    def __init__(self, collective_saving=False):
+        self.collective_saving = collective_saving
         self._saved = []
 
     def install(self):
-        for cls, hooks in _silenced().items():
+        for cls, hooks in _silenced(self.collective_saving).items():
             for hook in hooks:
                 self._saved.append((cls, hook, cls.__dict__.get(hook)))
                 setattr(cls, hook, _noop)
@@ -79,11 +85,13 @@ class ChiefOnlyCallbacks:
         self._saved = []
 
 
-def chief_only_saving(model):
-    """Makes `model.save` and `save_weights` do nothing on this (non-chief) rank.
+def chief_only_saving(model, saving=None):
+    """Makes `model.save` and `save_weights` write nothing on this (non-chief) rank.
 
     Args:
         model: the Keras model of a non-chief rank.
+        saving: the executor's `saving(model)`, entered instead of writing
+            where saving is a collective (JAX across processes).
 
     Returns:
         A function that undoes it.
@@ -92,6 +100,9 @@ def chief_only_saving(model):
     saved = {name: model.__dict__.get(name) for name in names}
 
     def skip(*args, **kwargs):
+        if saving is not None:
+            with saving(model):
+                pass  # This rank's part of the collective; rank 0 writes.
         return None
 
     for name in names:

@@ -89,7 +89,7 @@ class DistributedModel:
         with saving.saved_as_keras_class():
             # A reader never sees half a file (`keras_parallel.atomic`).
             return atomic.call_replacing(
-                super().save, args, kwargs, self._kp_executor()
+                super().save, args, kwargs, self._kp_executor(), self
             )
 
     def save_weights(self, *args, **kwargs):
@@ -105,7 +105,7 @@ class DistributedModel:
         from keras_parallel import atomic
 
         return atomic.call_replacing(
-            super().save_weights, args, kwargs, self._kp_executor()
+            super().save_weights, args, kwargs, self._kp_executor(), self
         )
 
     def _kp_executor(self):

@@ -36,3 +36,23 @@ def max_relative_difference(a_weights, b_weights):
         scale = max(float(np.max(np.abs(a))), 1e-12)
         worst = max(worst, float(np.max(np.abs(a - b))) / scale)
     return worst
+
+
+def sharding_ops(model, x, y):
+    """The sharding constraints in the lowered JAX train step, as text lines."""
+    import jax
+
+    binding = model._kp_binding
+    with binding.running(model):
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+        lowered = jax.jit(model.train_step).lower(state, (x, y))
+    return [
+        line
+        for line in lowered.as_text().splitlines()
+        if "sharding_constraint" in line or "@Sharding" in line
+    ]

@@ -21,6 +21,7 @@ CASES = (
     "data_parallel_epoch",
     "model_parallel_one_step",
     "model_parallel_epoch",
+    "model_parallel_across_one_step",
     "fail",
 )
 
@@ -33,7 +34,10 @@ def distribution(case):
     """The case's distribution over every device of every process."""
     if case.startswith("model_parallel"):
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh((2, 4), ["data", "model"], devices)
+        # "across": the model axis spans the processes (d1/kernel is split
+        # between them), else the data axis does.
+        names = ["model", "data"] if "across" in case else ["data", "model"]
+        mesh = keras.distribution.DeviceMesh((2, 4), names, devices)
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map["d1/kernel"] = (None, "model")
         layout_map["d2/output"] = ("data", None)
@@ -99,7 +103,13 @@ def main(out, case):
         # Process 1 asks for ModelParallel, process 0 for DataParallel.
         case = "model_parallel_one_step" if process == 1 else "data_parallel_one_step"
     model = build(case, seed=1 + process)
-    history = train(model, case, callbacks=[Boom()])
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        os.path.join(out, "checkpoint.weights.h5"), save_weights_only=True
+    )
+    history = train(model, case, callbacks=[Boom(), checkpoint])
+    # Every process saves (a collective where variables span processes);
+    # process 0 alone writes.
+    model.save(os.path.join(out, "model.keras"))
     weights = model.get_weights()  # Whole on every process.
     np.savez(os.path.join(out, f"weights{process}.npz"), *weights)
     x, y = data()
@@ -122,6 +132,11 @@ def main(out, case):
         "devices": len(jax.devices()),
         "local_devices": len(jax.local_devices()),
     }
+    if case.startswith("model_parallel"):
+        from builders import sharding_ops
+
+        x, y = data()
+        info["sharding_ops"] = sharding_ops(model, x[:64], y[:64])
     with open(os.path.join(out, f"info{process}.json"), "w") as f:
         json.dump(info, f)
 

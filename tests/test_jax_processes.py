@@ -32,6 +32,7 @@ EQUIVALENCE_CASES = (
     "data_parallel_epoch",
     "model_parallel_one_step",
     "model_parallel_epoch",
+    "model_parallel_across_one_step",
 )
 TIMEOUT_S = 240
 
@@ -146,11 +147,46 @@ def test_describe_shows_the_global_mesh(launched):
         assert not set(held["Process 0"]) & set(held["Process 1"])
 
 
+@pytest.mark.parametrize("case", EQUIVALENCE_CASES)
+def test_saved_files_load_on_one_device(launched, case):
+    """`model.save` and `ModelCheckpoint`, whole, written once by process 0."""
+    weights, _ = launched[case]
+    directory = launched[case + "/dir"]
+    assert sorted(
+        f for f in os.listdir(directory) if not f.endswith((".npz", ".npy", ".json"))
+    ) == [
+        "checkpoint.weights.h5",
+        "model.keras",
+    ]
+    loaded = keras.saving.load_model(os.path.join(directory, "model.keras"))
+    assert type(loaded).__name__ == "Functional"  # Plain Keras, one device.
+    for a, b in zip(loaded.get_weights(), weights[0]):
+        np.testing.assert_array_equal(a, b)
+    restored = script.build(case, seed=7, distributed=False)
+    restored.load_weights(os.path.join(directory, "checkpoint.weights.h5"))
+    for a, b in zip(restored.get_weights(), weights[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_model_axis_across_processes_splits_the_kernel_between_them(launched):
+    _, infos = launched["model_parallel_across_one_step"]
+    for info in infos:
+        # d1/kernel (16, 32) split 2 ways over `model`, which spans the
+        # processes: each process holds one half on each of its 4 devices.
+        assert info["kernel_shards"] == [[16, 16]] * 4
+
+
 def test_model_parallel_splits_the_kernel_within_each_process(launched):
     _, infos = launched["model_parallel_epoch"]
     for info in infos:
         # d1/kernel (16, 32) split 4 ways over `model`, on 4 local devices.
         assert info["kernel_shards"] == [[16, 8]] * 4
+        # The d2/output constraint is in the compiled step of every process:
+        # d2's (64, 8) output split by rows over "data" (Shardy's notation).
+        assert any(
+            '[{"data"}, {}]' in line and "tensor<64x8xf32>" in line
+            for line in info["sharding_ops"]
+        ), info["sharding_ops"]
         assert "d1/kernel" in info["describe"] and "(-, model)" in info["describe"]
 
 

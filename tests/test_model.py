@@ -8,7 +8,13 @@ training to float32 rounding, while the variables really span the devices.
 import keras
 import numpy as np
 import pytest
-from builders import dense_model, max_relative_difference, regression_data, weights_of
+from builders import (
+    dense_model,
+    max_relative_difference,
+    regression_data,
+    sharding_ops,
+    weights_of,
+)
 
 import keras_parallel
 
@@ -132,32 +138,14 @@ def test_model_parallel_first_step_equals_one_device_with_batchnorm():
     assert max_relative_difference(expected, weights_of(model)) < 1e-5
 
 
-def _sharding_ops(model, x, y):
-    """The sharding constraints in the lowered train step, as text lines."""
-    binding = model._kp_binding
-    with binding.running(model):
-        state = model._get_jax_state(
-            trainable_variables=True,
-            non_trainable_variables=True,
-            optimizer_variables=True,
-            metrics_variables=True,
-        )
-        lowered = jax.jit(model.train_step).lower(state, (x, y))
-    return [
-        line
-        for line in lowered.as_text().splitlines()
-        if "sharding_constraint" in line or "@Sharding" in line
-    ]
-
-
 def test_output_constraint_is_in_the_lowered_train_step():
     x, y = regression_data(64)
     constrained = dense_model(Net)
     train(constrained, x, y, distribution=model_parallel((4, 2)))
     free = dense_model(Net)
     train(free, x, y, distribution=model_parallel((4, 2), output_key=None))
-    with_key = _sharding_ops(constrained, x, y)
-    without_key = _sharding_ops(free, x, y)
+    with_key = sharding_ops(constrained, x, y)
+    without_key = sharding_ops(free, x, y)
     assert len(with_key) > len(without_key)
     # d2's (64, 8) output, split by rows over "data" (Shardy's notation).
     assert any(

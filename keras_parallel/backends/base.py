@@ -156,11 +156,15 @@ class Executor(abc.ABC):
 
         return ops.convert_to_numpy(value)
 
-    def saving(self):
-        """What must be in force while process 0 alone writes the model.
+    def saving(self, model):
+        """What must be in force while `model` is saved (on every process).
+
+        Args:
+            model: the model being saved.
 
         Returns:
-            A context manager; nothing on most backends.
+            A context manager; nothing on most backends. Across JAX
+            processes, every process gathers what it does not hold whole.
         """
         return contextlib.nullcontext()
 

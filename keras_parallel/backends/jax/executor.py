@@ -113,15 +113,21 @@ class JaxExecutor(Executor):
         return processes.fetch(value)
 
     @contextlib.contextmanager
-    def saving(self):
+    def saving(self, model):
         # Keras's saving makes throwaway variables (a reference `Optimizer`
         # to skip its attributes); made under the distribution, they would be
-        # placed across processes by a collective that only process 0, the
-        # one that writes, would run.
+        # placed across processes by a collective.
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(None)
         try:
-            yield
+            if processes.is_multi_process():
+                # Every process saves (process 0 alone writes): the values
+                # split across processes are gathered by all of them.
+                variables = model.variables + _optimizer_and_metric_variables(model)
+                with processes.gathered_for_saving(variables):
+                    yield
+            else:
+                yield
         finally:
             keras.distribution.set_distribution(previous)
 
@@ -152,7 +158,7 @@ class JaxExecutor(Executor):
         self._planned = PlannedDistribution(self.distribution, plan)
         if processes.is_multi_process() and not self.is_chief:
             if self._undo_saving is None:
-                self._undo_saving = chief_only_saving(model)
+                self._undo_saving = chief_only_saving(model, self.saving)
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -169,7 +175,7 @@ class JaxExecutor(Executor):
             # One shuffle for all processes: process 0's.
             processes.share_host_random_state()
             if not self.is_chief:
-                chief_only = ChiefOnlyCallbacks()
+                chief_only = ChiefOnlyCallbacks(collective_saving=True)
                 chief_only.install()
         try:
             yield

@@ -17,6 +17,11 @@ distribution_lib = internal(
     "keras.src.backend.jax.distribution_lib", "distribute_data_input"
 )
 
+#: Keras's saving converts every variable with `backend.convert_to_numpy`;
+#: across processes, replaced while a model is saved by one that returns
+#: the values every process gathered first (`processes.gathered_for_saving`).
+backend = internal("keras.src.backend", "convert_to_numpy")
+
 #: Attributes of Keras objects the JAX backend reads or sets.
 OBJECT_ATTRIBUTES = {
     # The planned layout and the placed value of a variable (`apply`).

@@ -18,12 +18,15 @@ data. Four things then need the other processes:
 In one process each is what one process would do, without a collective.
 """
 
+import contextlib
 import pickle
 import random
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+from keras_parallel.backends.jax import keras_compat
 
 
 def is_multi_process():
@@ -102,6 +105,40 @@ def fetch(value):
     if value.is_fully_addressable or value.is_fully_replicated:
         return np.asarray(value)
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+@contextlib.contextmanager
+def gathered_for_saving(variables):
+    """Keras's saving, on every process, of variables split across processes.
+
+    Every process gathers the whole value of each variable that it does not
+    hold whole (a collective: every process must save, in the same order),
+    then Keras's `convert_to_numpy` hands those values to the saving code,
+    which only process 0 lets write.
+
+    Args:
+        variables: every variable the save may read (model, optimizer,
+            metrics), in the same order on every process.
+    """
+    gathered = {}
+    for variable in variables:
+        value = variable.value
+        if isinstance(value, jax.Array) and not (
+            value.is_fully_addressable or value.is_fully_replicated
+        ):
+            gathered[id(variable)] = fetch(value)
+    keras_backend = keras_compat.backend
+    convert = keras_backend.convert_to_numpy
+
+    def convert_gathered(x):
+        found = gathered.get(id(x))
+        return convert(x) if found is None else found
+
+    keras_backend.convert_to_numpy = convert_gathered
+    try:
+        yield
+    finally:
+        keras_backend.convert_to_numpy = convert
 
 
 def check_same_plan(plan):
