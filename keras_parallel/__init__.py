@@ -6,6 +6,8 @@ Public API:
 - `ShardingCallback`: the same for a model you cannot subclass.
 - `DataParallel`: `keras.distribution.DataParallel` over all local devices.
 - `describe`: the sharding plan as a text table.
+- `restore_checkpoint`: a `keras.callbacks.OrbaxCheckpoint` read back shard
+  by shard into the model's layout (JAX).
 - `launch`: run a function in N processes (torch), rank-ordered results.
 - `ShardingError`: the error bad layouts raise (a `ValueError`).
 - `split_cpu`: TensorFlow: split the CPU into N logical devices.
@@ -27,6 +29,7 @@ _EXPORTS = {
     "ShardingError": "keras_parallel.errors",
     "UnmatchedLayoutKeyWarning": "keras_parallel.errors",
     "describe": "keras_parallel.report",
+    "restore_checkpoint": "keras_parallel.checkpoints",
     "split_cpu": "keras_parallel.backends.tensorflow.devices",
 }
 

@@ -16,6 +16,7 @@ PUBLIC = [
     "UnmatchedLayoutKeyWarning",
     "describe",
     "launch",
+    "restore_checkpoint",
     "split_cpu",
 ]
 

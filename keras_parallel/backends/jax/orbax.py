@@ -1,0 +1,209 @@
+"""Reads an `OrbaxCheckpoint` into the layout of each variable it restores.
+
+Keras's `OrbaxCheckpoint` saves `model.get_state_tree()`: four groups
+(`trainable_variables`, `non_trainable_variables`, `optimizer_variables`,
+`metrics_variables`), each nested by variable path. Here every leaf is asked
+for as a `jax.ShapeDtypeStruct` carrying the sharding of the variable it
+restores, so Orbax reads each device's part of it and nothing else, whatever
+mesh the checkpoint was saved on. The restored arrays already lie where the
+variables do: assigning them moves nothing.
+"""
+
+import difflib
+
+import jax
+import orbax.checkpoint as _orbax
+
+_ocp = _orbax.v1
+
+_MODEL_GROUPS = ("trainable_variables", "non_trainable_variables")
+
+
+def restore(model, path):
+    """Restores one step's folder of an `OrbaxCheckpoint` into `model`.
+
+    Args:
+        model: a built `keras.Model`.
+        path: the folder of one step (it holds `pytree/`).
+
+    Raises:
+        ValueError: the model is not built, or the checkpoint's variables or
+            shapes differ from the model's. No variable was assigned (an
+            unbuilt optimizer was built, as `fit` would).
+    """
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so it has no variables to "
+            f"restore into. Received: an unbuilt model and {path!r}; build it "
+            "first (call it on a batch, or `model.build(input_shape)`)."
+        )
+    _build_optimizer(model)
+    # Under the caller's `orbax.checkpoint.v1.Context`, if any (to bound the
+    # bytes read at once, say).
+    saved = _ocp.metadata(path, checkpointable_name="pytree").metadata
+    pairs = _match(model, saved, path)
+    abstract = _abstract_tree(saved, pairs)
+    loaded = _ocp.load_checkpointables(path, {"pytree": abstract})["pytree"]
+    # Assigned only once everything is read: a failed read leaves the model
+    # as it was.
+    for variable, keys in pairs:
+        variable.assign(_leaf(loaded, keys))
+
+
+def _build_optimizer(model):
+    """Builds an unbuilt optimizer, so its state has variables to restore into.
+
+    Keras builds the optimizer at the first `fit`; restoring before it would
+    drop the optimizer's state. Its slots take their variable's layout
+    (Keras's `add_variable_from_reference`), so they are made sharded.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or optimizer.built:
+        return
+    optimizer.build(model.trainable_variables)
+    binding = getattr(model, "_kp_binding", None)
+    if binding is not None:
+        # The step counter and learning rate join the plan (replicated).
+        binding.prepare(model)
+
+
+def _groups(model):
+    """`{group: [variables]}`, the groups `model.get_state_tree()` saves."""
+    optimizer = getattr(model, "optimizer", None)
+    return {
+        "trainable_variables": list(model.trainable_variables),
+        "non_trainable_variables": list(model.non_trainable_variables),
+        "optimizer_variables": list(optimizer.variables) if optimizer else [],
+        "metrics_variables": list(getattr(model, "metrics_variables", [])),
+    }
+
+
+def _flatten(tree, prefix=()):
+    """`{key tuple: leaf}` of a nested dict."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, prefix + (key,)))
+        else:
+            flat[prefix + (key,)] = value
+    return flat
+
+
+def _match(model, saved, path):
+    """Pairs each variable with the key path of its saved leaf.
+
+    The model's own variables must match the checkpoint's one to one. The
+    optimizer's are matched without the optimizer's name (the first part of
+    their path), which Keras numbers per process (`adam`, `adam_1`). Metric
+    variables are restored where both have them: Keras makes some only at
+    the first `fit`, and resets them every epoch.
+
+    Returns:
+        A list of `(variable, key tuple)` pairs.
+    """
+    pairs = []
+    for group, variables in _groups(model).items():
+        leaves = {
+            "/".join(keys): (group,) + keys for keys in _flatten(saved.get(group) or {})
+        }
+        if group == "optimizer_variables":
+            leaves = {_without_owner(name): keys for name, keys in leaves.items()}
+        wanted = {}
+        for variable in variables:
+            name = variable.path
+            if group == "optimizer_variables":
+                name = _without_owner(name)
+            wanted[name] = variable
+        # An uncompiled model, or a weights-only checkpoint, restores the
+        # weights alone.
+        if group in _MODEL_GROUPS or (
+            group == "optimizer_variables" and leaves and wanted
+        ):
+            _check_same_names(model, group, wanted, leaves, path)
+        for name, variable in wanted.items():
+            if name in leaves:
+                _check_shape(variable, _leaf(saved, leaves[name]), path)
+                pairs.append((variable, leaves[name]))
+    return pairs
+
+
+def _without_owner(name):
+    return name.split("/", 1)[-1]
+
+
+def _leaf(tree, keys):
+    for key in keys:
+        tree = tree[key]
+    return tree
+
+
+def _check_same_names(model, group, wanted, leaves, path):
+    missing = sorted(set(wanted) - set(leaves))
+    extra = sorted(set(leaves) - set(wanted))
+    if not missing and not extra:
+        return
+    hints = []
+    for name in missing[:3]:
+        close = difflib.get_close_matches(name, extra, n=1)
+        if close:
+            hints.append(f"{name!r} ~ saved {close[0]!r}")
+    hint = f" Closest: {'; '.join(hints)}." if hints else ""
+    fix = (
+        "compile the model with the same optimizer as the one saved"
+        if group == "optimizer_variables"
+        else "build the model with the same layers and layer names as the one saved"
+    )
+    raise ValueError(
+        f"The checkpoint's {group} differ from model {model.name!r}'s, so it "
+        f"cannot be restored into it. Received: {path!r}, whose {group} lack "
+        f"{missing[:5]} ({len(missing)} in all) and hold {extra[:5]} "
+        f"({len(extra)} in all) that the model lacks.{hint} Instead, {fix}."
+    )
+
+
+def _check_shape(variable, leaf, path):
+    if tuple(leaf.shape) != tuple(variable.shape):
+        raise ValueError(
+            f"Variable {variable.path!r} has shape {tuple(variable.shape)}, but "
+            f"the checkpoint saved shape {tuple(leaf.shape)} for it. Received: "
+            f"{path!r}, saved {_describe_layout(leaf)}; build the model with "
+            "the same layer sizes as the one saved."
+        )
+
+
+def _describe_layout(leaf):
+    """`on mesh (2, 4) ('data', 'model') as P(None, 'model')`, or less."""
+    sharding = getattr(leaf, "sharding_metadata", None)
+    shape = getattr(sharding, "shape", None)
+    if shape is None:
+        return "unsharded"
+    axes = tuple(getattr(sharding, "axis_names", ()))
+    spec = tuple(getattr(sharding, "partition_spec", ()))
+    return f"on mesh {tuple(int(s) for s in shape)} {axes} as {spec}"
+
+
+def _abstract_tree(saved, pairs):
+    """The checkpoint's tree, each leaf asked for in its variable's layout.
+
+    A leaf no variable restores is skipped (`PLACEHOLDER`): it is not read.
+    """
+    wanted = {keys: variable for variable, keys in pairs}
+
+    def abstract(keys, leaf):
+        variable = wanted.get(keys)
+        if variable is None:
+            return _ocp.PLACEHOLDER
+        value = variable.value
+        return jax.ShapeDtypeStruct(
+            tuple(leaf.shape), value.dtype, sharding=value.sharding
+        )
+
+    def walk(tree, prefix):
+        return {
+            key: walk(value, prefix + (key,))
+            if isinstance(value, dict)
+            else abstract(prefix + (key,), value)
+            for key, value in tree.items()
+        }
+
+    return walk(saved, ())
