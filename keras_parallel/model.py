@@ -1,5 +1,7 @@
 """`DistributedModel`: `compile(..., distribution=...)` for any Keras model."""
 
+import os
+
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
 
@@ -107,6 +109,30 @@ class DistributedModel:
         return atomic.call_replacing(
             super().save_weights, args, kwargs, self._kp_executor(), self
         )
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """`keras.Model.load_weights`; an `OrbaxCheckpoint` folder shard by shard.
+
+        On JAX, a folder written by `keras.callbacks.OrbaxCheckpoint` is read
+        with `keras_parallel.restore_checkpoint` (its newest step): each array
+        straight into the layout this model's plan gives it, on this mesh or
+        another. Keras's own would read it onto the mesh it was saved from.
+        Anything else is Keras's own.
+
+        Args:
+            filepath: a `.weights.h5` / `.keras` file, or an `OrbaxCheckpoint`
+                folder (or one step's folder in it).
+            *args: `keras.Model.load_weights` arguments.
+            **kwargs: `keras.Model.load_weights` arguments.
+        """
+        import keras
+
+        if keras.backend.backend() == "jax" and os.path.isdir(os.fspath(filepath)):
+            from keras_parallel.checkpoints import restore_checkpoint
+
+            restore_checkpoint(self, filepath)
+            return None
+        return super().load_weights(filepath, *args, **kwargs)
 
     def _kp_executor(self):
         binding = getattr(self, "_kp_binding", None)

@@ -158,6 +158,14 @@ def test_restore_on_another_mesh(saved, shape):
     assert_laid_out_per_plan(model, shape)
 
 
+def test_load_weights_of_a_distributed_model_reads_the_shards_into_its_layout(saved):
+    directory, state = saved
+    model = build((4, 2), seed=7)
+    model.load_weights(directory)  # Keras's would use the saved (2, 4) mesh.
+    assert_state_equal(model, state)
+    assert_laid_out_per_plan(model, (4, 2))
+
+
 def test_restore_on_one_device(saved):
     import jax
 

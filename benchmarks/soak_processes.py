@@ -1,0 +1,107 @@
+"""The multi-process tests, many times in a row: no hang, no process left.
+
+Runs the tests that start processes (launches, kills, restarts) `--runs`
+times for one backend, each run under a hard timeout, and counts after
+every run the processes whose command line names keras_parallel or the
+test scripts (none may be left). Not part of CI: it takes `runs` times the
+tests' own time.
+
+Run it in a tox env of the backend, e.g.
+`KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=8
+.tox/jax/bin/python benchmarks/soak_processes.py --runs 20`.
+"""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = {
+    "jax": ["tests/test_jax_processes.py", "tests/test_faults.py"],
+    "torch": [
+        "tests/test_launcher.py",
+        "tests/test_faults.py",
+        "tests/test_torch_executor.py",
+    ],
+    "tensorflow": ["tests/test_tensorflow_processes.py"],
+}
+#: Command-line fragments of the processes these tests start.
+MARKERS = (
+    b"keras_parallel.launcher",
+    b"keras_parallel.cli",
+    b"jax_processes_script",
+    b"tensorflow_processes_script",
+    b"resume_script",
+    b"torch.distributed.run",
+)
+
+
+def leftovers():
+    """PIDs (not this one's ancestors) whose command line has a marker."""
+    mine = {os.getpid(), os.getppid()}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in mine:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                line = f.read()
+        except OSError:
+            continue
+        if any(marker in line for marker in MARKERS):
+            found.append(int(entry))
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--timeout", type=int, default=1200, help="s per run")
+    args = parser.parse_args()
+    backend = os.environ.get("KERAS_BACKEND", "jax")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += TESTS[backend]
+    before = leftovers()
+    results = []
+    for run in range(args.runs):
+        start = time.monotonic()
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out, _ = process.communicate(timeout=args.timeout)
+            outcome = "passed" if process.returncode == 0 else "FAILED"
+            summary = out.strip().splitlines()[-1] if out.strip() else ""
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # The run and all it started.
+            process.communicate()
+            outcome, summary = "HUNG", f"over {args.timeout} s"
+        left = sorted(set(leftovers()) - set(before))
+        results.append((outcome, left))
+        print(
+            f"run {run + 1}/{args.runs}: {outcome} in "
+            f"{time.monotonic() - start:.0f} s ({summary}); processes left: "
+            f"{len(left)}",
+            flush=True,
+        )
+    failed = sum(outcome == "FAILED" for outcome, _ in results)
+    hung = sum(outcome == "HUNG" for outcome, _ in results)
+    left = sum(len(pids) for _, pids in results)
+    print(
+        f"{backend}: {args.runs} runs of {' '.join(TESTS[backend])}: "
+        f"{args.runs - failed - hung} passed, {failed} failed, {hung} hung, "
+        f"{left} processes left"
+    )
+    return 1 if failed or hung or left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
