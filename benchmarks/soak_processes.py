@@ -60,10 +60,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--timeout", type=int, default=1200, help="s per run")
+    parser.add_argument("--tests", nargs="+", help="test files (default: all)")
     args = parser.parse_args()
     backend = os.environ.get("KERAS_BACKEND", "jax")
+    tests = args.tests or TESTS[backend]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    command += TESTS[backend]
+    command += tests
     before = leftovers()
     results = []
     for run in range(args.runs):
@@ -96,7 +98,7 @@ def main():
     hung = sum(outcome == "HUNG" for outcome, _ in results)
     left = sum(len(pids) for _, pids in results)
     print(
-        f"{backend}: {args.runs} runs of {' '.join(TESTS[backend])}: "
+        f"{backend}: {args.runs} runs of {' '.join(tests)}: "
         f"{args.runs - failed - hung} passed, {failed} failed, {hung} hung, "
         f"{left} processes left"
     )

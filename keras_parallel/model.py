@@ -132,7 +132,22 @@ class DistributedModel:
 
             restore_checkpoint(self, filepath)
             return None
-        return super().load_weights(filepath, *args, **kwargs)
+        # Keras assigns variable by variable and stops at the first that does
+        # not fit: put back what it had assigned, so a failed load leaves the
+        # model as it was.
+        before = _snapshot(self)
+        try:
+            return super().load_weights(filepath, *args, **kwargs)
+        except Exception as error:
+            for variable, value in before:
+                variable.assign(value)
+            kind = OSError if isinstance(error, OSError) else ValueError
+            raise kind(
+                f"The weights in {os.fspath(filepath)!r} cannot be loaded into "
+                f"model {self.name!r}: {error} Received: a file of another "
+                "model, or a damaged one; the model is unchanged. Load it into "
+                "the model that saved it."
+            ) from error
 
     def _kp_executor(self):
         binding = getattr(self, "_kp_binding", None)
@@ -251,6 +266,19 @@ class DistributedModel:
 
     def make_predict_function(self, force=False):
         return self._kp_make("predict", super().make_predict_function, force)
+
+
+def _snapshot(model):
+    """`(variable, value)` of every model and optimizer variable, kept aside."""
+    import keras
+
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        variables += list(optimizer.variables)
+    # A JAX array is never changed in place: holding it is enough.
+    keep = (lambda v: v) if keras.backend.backend() == "jax" else keras.ops.copy
+    return [(v, keep(v.value)) for v in variables]
 
 
 def _check_base_order(cls):

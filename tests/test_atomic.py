@@ -104,3 +104,30 @@ def test_sharding_callback_saves_whole_files_while_attached(tmp_path, monkeypatc
     assert written == [path]
     assert "save" not in model.__dict__  # Undone when the run ended.
     keras.saving.load_model(path)
+
+
+def test_weights_of_another_model_are_refused_and_change_nothing(tmp_path):
+    path = str(tmp_path / "model.weights.h5")
+    resume_script.build().save_weights(path)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, name="d1")(inputs)
+    # d1 fits the file, d2 does not: Keras would have loaded d1 already.
+    other = resume_script.Net(inputs, keras.layers.Dense(4, name="d2")(x))
+    other.compile(
+        optimizer="adam",
+        loss="mse",
+        distribution=resume_script.keras_parallel.DataParallel(),
+    )
+    before = other.get_weights()
+    with pytest.raises(ValueError, match="model.weights.h5") as error:
+        other.load_weights(path)
+    assert "the model is unchanged" in str(error.value)
+    for a, b in zip(other.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_damaged_weights_file_is_named(tmp_path):
+    path = tmp_path / "model.weights.h5"
+    path.write_bytes(b"not a weights file")
+    with pytest.raises(OSError, match="model.weights.h5"):
+        resume_script.build().load_weights(str(path))
