@@ -26,9 +26,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+def epoch_clock():
+    """A callback that appends each epoch's wall time to its `times`."""
+    import time
+
+    import keras
+
+    class EpochClock(keras.callbacks.Callback):
+        times = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.times.append(time.perf_counter() - self.start)
+
+    return EpochClock()
+
+
 def worker(out, batch_size, epochs):
     """One run (in each process): trains and writes its throughput."""
-    import time
 
     import jax
     import keras
@@ -48,18 +65,10 @@ def worker(out, batch_size, epochs):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         distribution=keras_parallel.DataParallel(),
     )
-    times = []
+    clock = epoch_clock()
+    times = clock.times
 
-    class Clock(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
-
-    model.fit(
-        x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=[Clock()]
-    )
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=[clock])
     if jax.process_index() == 0:
         with open(out, "w") as f:
             json.dump({"samples_per_s": len(x) / statistics.median(times[1:])}, f)
@@ -74,7 +83,6 @@ def keras_worker(out, batch_size, epochs):
     dataset, or, with `auto_shard_dataset = False`, arrays; arrays here, as
     the jax env has no TensorFlow).
     """
-    import time
 
     import jax
     import keras
@@ -102,14 +110,8 @@ def keras_worker(out, batch_size, epochs):
         return a[:, start : start + rows].reshape((batches * rows,) + a.shape[2:])
 
     x_own, y_own = own_rows(x), own_rows(y)
-    times = []
-
-    class Clock(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
+    clock = epoch_clock()
+    times = clock.times
 
     model.fit(
         x_own,
@@ -118,7 +120,7 @@ def keras_worker(out, batch_size, epochs):
         epochs=epochs,
         shuffle=False,
         verbose=0,
-        callbacks=[Clock()],
+        callbacks=[clock],
     )
     if jax.process_index() == 0:
         samples = (len(x) // batch_size) * batch_size

@@ -100,21 +100,13 @@ def atomic_saving(model, executor=None):
     Returns:
         A function that undoes it.
     """
+    from keras_parallel.instance_methods import replace_methods
+
+    def whole(method):
+        def save(*args, **kwargs):
+            return call_replacing(method, args, kwargs, executor, model)
+
+        return save
+
     names = ("save", "save_weights")
-    saved = {name: model.__dict__.get(name) for name in names}
-    for name in names:
-        method = getattr(model, name)
-
-        def save(*args, _method=method, **kwargs):
-            return call_replacing(_method, args, kwargs, executor, model)
-
-        object.__setattr__(model, name, save)
-
-    def undo():
-        for name, value in saved.items():
-            if value is None:
-                model.__dict__.pop(name, None)
-            else:
-                object.__setattr__(model, name, value)
-
-    return undo
+    return replace_methods(model, {name: whole(getattr(model, name)) for name in names})

@@ -15,6 +15,8 @@ writes one file.
 
 from keras import callbacks
 
+from keras_parallel.instance_methods import replace_methods
+
 _HOOKS = (
     "on_train_begin",
     "on_train_end",
@@ -96,8 +98,6 @@ def chief_only_saving(model, saving=None):
     Returns:
         A function that undoes it.
     """
-    names = ("save", "save_weights")
-    saved = {name: model.__dict__.get(name) for name in names}
 
     def skip(*args, **kwargs):
         if saving is not None:
@@ -105,14 +105,4 @@ def chief_only_saving(model, saving=None):
                 pass  # This rank's part of the collective; rank 0 writes.
         return None
 
-    for name in names:
-        object.__setattr__(model, name, skip)
-
-    def undo():
-        for name, value in saved.items():
-            if value is None:
-                model.__dict__.pop(name, None)
-            else:
-                object.__setattr__(model, name, value)
-
-    return undo
+    return replace_methods(model, {"save": skip, "save_weights": skip})
