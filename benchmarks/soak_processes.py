@@ -1,9 +1,10 @@
 """The multi-process tests, many times in a row: no hang, no process left.
 
 Runs the tests that start processes (launches, kills, restarts) `--runs`
-times for one backend, each run under a hard timeout, and counts after
-every run the processes whose command line names keras_parallel or the
-test scripts (none may be left). Not part of CI: it takes `runs` times the
+times for one backend, each run under a hard timeout (the run and every
+process it started killed on expiry), and counts after every run the
+processes it started that still exist (found by a variable in their
+environment; none may be left). Not part of CI: it takes `runs` times the
 tests' own time.
 
 Run it in a tox env of the backend, e.g.
@@ -28,31 +29,24 @@ TESTS = {
     ],
     "tensorflow": ["tests/test_tensorflow_processes.py"],
 }
-#: Command-line fragments of the processes these tests start.
-MARKERS = (
-    b"keras_parallel.launcher",
-    b"keras_parallel.cli",
-    b"jax_processes_script",
-    b"tensorflow_processes_script",
-    b"resume_script",
-    b"torch.distributed.run",
-)
+#: Set in each run's environment: every process the run starts inherits it,
+#: so what is left after the run is found by it, whatever its name.
+RUN_ENV = "KERAS_PARALLEL_SOAK_RUN"
 
 
-def leftovers():
-    """PIDs (not this one's ancestors) whose command line has a marker."""
-    mine = {os.getpid(), os.getppid()}
+def leftovers(run):
+    """PIDs of processes started by soak run `run` that still exist."""
+    marker = f"{RUN_ENV}={run}".encode()
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in mine:
+        if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                line = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(entry))
         except OSError:
             continue
-        if any(marker in line for marker in MARKERS):
-            found.append(int(entry))
     return found
 
 
@@ -66,13 +60,13 @@ def main():
     tests = args.tests or TESTS[backend]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     command += tests
-    before = leftovers()
     results = []
     for run in range(args.runs):
         start = time.monotonic()
         process = subprocess.Popen(
             command,
             cwd=ROOT,
+            env=dict(os.environ, **{RUN_ENV: str(run)}),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -86,7 +80,8 @@ def main():
             os.killpg(process.pid, signal.SIGKILL)  # The run and all it started.
             process.communicate()
             outcome, summary = "HUNG", f"over {args.timeout} s"
-        left = sorted(set(leftovers()) - set(before))
+        time.sleep(2)  # Let processes that are ending end.
+        left = leftovers(run)
         results.append((outcome, left))
         print(
             f"run {run + 1}/{args.runs}: {outcome} in "

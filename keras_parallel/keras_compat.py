@@ -134,6 +134,10 @@ print_msg = internal("keras.src.utils.io_utils", "print_msg").print_msg
 serialization_lib = internal(
     "keras.src.saving.serialization_lib", "serialize_with_public_class"
 )
+#: Keras's saving builds throwaway reference objects (an `Optimizer`, a
+#: `Metric`, with variables) the first time it meets each kind of object;
+#: made early, outside any strategy (`saving.saving_references_made_outside`).
+saving_lib = internal("keras.src.saving.saving_lib", "get_attr_skipset")
 #: Keras's functional model class: a functional DistributedModel is saved
 #: as one, so that plain Keras can load it (`saving.py`).
 Functional = internal("keras.src.models.functional", "Functional").Functional

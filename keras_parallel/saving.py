@@ -131,6 +131,50 @@ def saved_as_keras_class():
         module.serialize_with_public_class = original
 
 
+#: The kinds of objects Keras's saving builds a reference object of.
+_SAVED_KINDS = (
+    "Operation",
+    "Layer",
+    "Functional",
+    "Sequential",
+    "Metric",
+    "Optimizer",
+    "Loss",
+)
+_skipsets = {}
+
+
+@contextlib.contextmanager
+def saving_references_made_outside():
+    """Keras's saving, with its reference objects made before this scope.
+
+    Each save builds an `Optimizer(1.0)`, a `Metric`, ... to learn which
+    attributes to skip (Keras means to cache what it learns, but reads the
+    cache under another key than it writes it: every save builds them
+    again). Built inside a `tf.distribute` strategy (a save from a callback
+    during `fit`, on worker 0 alone), their variables are made by a
+    collective the other workers never join, and the workers' collectives
+    mismatch ("Collective instance ... expected type 0 ... but got type 1").
+    Entered before the strategy's scope, this learns what to skip once,
+    outside, and serves it to the saves made within.
+    """
+    from keras_parallel.keras_compat import saving_lib
+
+    original = saving_lib.get_attr_skipset
+    for kind in _SAVED_KINDS:
+        if kind not in _skipsets:
+            _skipsets[kind] = original(kind)
+
+    def learned(kind):
+        return _skipsets[kind] if kind in _skipsets else original(kind)
+
+    saving_lib.get_attr_skipset = learned
+    try:
+        yield
+    finally:
+        saving_lib.get_attr_skipset = original
+
+
 def compile_from_config(model, config):
     """Compiles a loaded model from its saved compile config, as Keras does.
 

@@ -12,6 +12,7 @@ process is killed again (a restarted run trains to the end). Run directly (one p
 uninterrupted reference.
 """
 
+import json
 import os
 import signal
 import sys
@@ -97,7 +98,8 @@ def _is_chief():
         return jax.process_index() == 0
     if backend == "torch":
         return int(os.environ.get("RANK", "0")) == 0
-    return True
+    config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    return config.get("task", {}).get("index", 0) == 0
 
 
 def main(out, backup, kill=None):

@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 from keras.distribution import DataParallel
 
+from keras_parallel import saving
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
@@ -145,8 +146,14 @@ class TensorFlowExecutor(Executor):
             _attach(model, strategy)
         try:
             # In the strategy's scope, metric states read as their sum over
-            # replicas, and variables created lazily are mirrored.
-            with strategy.scope(), tf_exact.patched(model), self._workers_scope():
+            # replicas, and variables created lazily are mirrored. A save
+            # from a callback (worker 0 alone) must make no variable there.
+            with (
+                saving.saving_references_made_outside(),
+                strategy.scope(),
+                tf_exact.patched(model),
+                self._workers_scope(),
+            ):
                 yield
         finally:
             if not attached and not self._applied:
