@@ -122,15 +122,17 @@ def test_single_process_fit_is_plain_keras(capsys):
         np.testing.assert_array_equal(a, b)
 
 
-def test_model_parallel_is_refused_with_what_to_do():
+def test_model_parallel_that_splits_only_the_batch_runs_as_data_parallel():
+    # A mesh that splits nothing but the batch needs no DTensor: DDP runs it.
+    # ModelParallel proper: tests/test_torch_model_parallel.py.
     mesh = keras.distribution.DeviceMesh((1,), ["model"], ["cpu:0"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["dense.*kernel"] = (None, "model")
     distribution = keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="model"
     )
-    with pytest.raises(ShardingError, match="data parallelism only.*DataParallel"):
-        keras_parallel.ShardingCallback(distribution)
+    callback = keras_parallel.ShardingCallback(distribution)
+    assert callback.binding.executor._mesh_runner is None
 
 
 def test_mesh_larger_than_process_group_is_refused():

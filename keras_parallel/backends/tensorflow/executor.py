@@ -98,10 +98,10 @@ class TensorFlowExecutor(Executor):
                 "keras_parallel runs only DataParallel on the TensorFlow "
                 "backend (through tf.distribute.MirroredStrategy); "
                 "ModelParallel and other layouts of variables are available "
-                "on the JAX backend. Received: distribution="
+                "on the JAX and torch backends. Received: distribution="
                 f"{type(distribution).__name__} with KERAS_BACKEND="
                 "'tensorflow'; use keras_parallel.DataParallel(), or set "
-                "KERAS_BACKEND=jax to shard variables."
+                "KERAS_BACKEND=jax (or torch) to shard variables."
             )
         axes = tuple(distribution.device_mesh.axis_names)
         if len(axes) != 1:

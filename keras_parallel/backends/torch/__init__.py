@@ -1,4 +1,4 @@
-"""The PyTorch backend: DistributedDataParallel under Keras's own torch trainer.
+"""The PyTorch backend: DDP (DataParallel) or DTensors (ModelParallel) under Keras's trainer.
 
 - `executor`: `TorchExecutor`, the contract's hooks.
 - `group`: the process group, started from the environment; failures named.
@@ -6,5 +6,8 @@
 - `batches`: cutting a global batch into per-rank rows.
 - `step_logs`: when metrics are made global (per step or per epoch).
 - `sync_bn`: BatchNormalization over the global batch.
+- `model_parallel`: ModelParallel's hooks (`MeshRunner`), DTensor variables.
+- `dtensor_layouts`: the torch mesh, placements, placing and gathering.
+- `mesh_steps`: the steps under ModelParallel (DTensor forward, gradients).
 - `keras_compat`: every Keras internal this backend reads or patches.
 """

@@ -64,3 +64,27 @@ def checksum(data):
         if isinstance(leaf, np.ndarray) and leaf.dtype != object:
             return float(np.sum(leaf, dtype=np.float64))
     return 0.0
+
+
+def check_same_batches(extra, rank, rows):
+    """Raises if the ranks saw global batches of different sizes or contents.
+
+    Args:
+        extra: the sums over ranks of `[1, rows, rows**2, check, check**2]`.
+        rank: this rank.
+        rows: the rows this rank saw since the last check.
+    """
+    ranks, total, squares, check, check_squares = extra
+    sizes_differ = abs(ranks * squares - total * total) > 0.5
+    spread = ranks * check_squares - check * check
+    data_differ = spread > 1e-9 * max(1.0, check * check)
+    if sizes_differ or data_differ:
+        what = "sizes" if sizes_differ else "contents"
+        raise ValueError(
+            f"The ranks received global batches of different {what} in the "
+            f"same steps (rank {rank} had {rows:g} rows; mean over ranks "
+            f"{total / ranks:g}). Every rank must iterate the same data in "
+            "the same order: give each process the whole data set (not a "
+            "per-rank shard) with the same length; keras_parallel slices "
+            "each global batch itself."
+        )

@@ -19,6 +19,10 @@ same global batches; this executor supplies only what it needs:
 
 In a single process with no process group (no `torchrun`), `DataParallel()`
 spans one device and `fit` is plain Keras, after one info line.
+
+A `ModelParallel` whose mesh splits more than the batch is handed to
+`model_parallel.MeshRunner` (DTensor variables on a torch `DeviceMesh`);
+one that splits only the batch (`(4, 1)`) runs as DataParallel on DDP.
 """
 
 import contextlib
@@ -27,9 +31,11 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
+from keras.distribution import DataParallel
 
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.model_parallel import MeshRunner, splits_model
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import DDPModule, RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
@@ -41,7 +47,7 @@ _SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
 
 
 class TorchExecutor(Executor):
-    """Runs `DataParallel` with `DistributedDataParallel` (see module docstring).
+    """Runs `DataParallel` with DDP and `ModelParallel` with DTensors.
 
     Options are read from the distribution, where the user gives it:
     `sync_batchnorm` (default False) and `find_unused_parameters` (default
@@ -58,6 +64,8 @@ class TorchExecutor(Executor):
         self._model = None
         self._undo_saving = None
         self._announced_single = False
+        #: Set by `check` for a ModelParallel that splits variables.
+        self._mesh_runner = None
 
     # ----------------------------------------------------------- devices
     @classmethod
@@ -90,20 +98,25 @@ class TorchExecutor(Executor):
 
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
-        from keras.distribution import DataParallel
+        from keras.distribution import DataParallel, ModelParallel
 
         layout_map = getattr(distribution, "_layout_map", None)
-        if layout_map is not None or not isinstance(distribution, DataParallel):
+        data_parallel = layout_map is None and isinstance(distribution, DataParallel)
+        if not data_parallel and not isinstance(distribution, ModelParallel):
             raise ShardingError(
-                "The torch backend runs data parallelism only "
-                "(DistributedDataParallel): variable layouts are not "
-                f"supported. Received: {type(distribution).__name__}"
-                + (" with a LayoutMap" if layout_map is not None else "")
-                + "; use keras_parallel.DataParallel(), or the JAX backend "
-                "(KERAS_BACKEND=jax) for ModelParallel."
+                "The torch backend runs DataParallel and ModelParallel. "
+                f"Received: {type(distribution).__name__}; use "
+                "keras_parallel.DataParallel() or keras.distribution."
+                "ModelParallel(layout_map=..., batch_dim_name=...)."
             )
+        # A mesh that splits nothing but the batch is data parallelism: DDP.
+        self._mesh_runner = None
+        if not data_parallel and splits_model(distribution):
+            self._mesh_runner = MeshRunner(self)
         mesh_size = int(np.prod(distribution.device_mesh.shape))
-        if mesh_size != self.num_processes:
+        if mesh_size == self.num_processes:
+            return
+        if data_parallel:
             raise ShardingError(
                 "On torch, DataParallel needs one device per process of the "
                 f"process group. Received: a mesh of {mesh_size} devices and "
@@ -112,8 +125,24 @@ class TorchExecutor(Executor):
                 f"{mesh_size} processes with `torchrun --nproc-per-node "
                 f"{mesh_size}` or `keras-parallel launch --nproc {mesh_size}`."
             )
+        what = "more" if self.num_processes > mesh_size else "fewer"
+        raise ShardingError(
+            f"On torch, {type(distribution).__name__} needs one process per "
+            f"device of its mesh, but {what} processes run. Received: a mesh "
+            f"of shape {tuple(distribution.device_mesh.shape)} "
+            f"({mesh_size} devices) and {self.num_processes} process(es); "
+            f"start {mesh_size} processes (`torchrun --nproc-per-node "
+            f"{mesh_size}`, `keras-parallel launch --nproc {mesh_size}`), or "
+            f"give the mesh a shape that multiplies to {self.num_processes}."
+        )
 
     def apply(self, model, plan):
+        if self._mesh_runner is not None:
+            self._model = model
+            self._mesh_runner.apply(model, plan)
+            self._steps = self._mesh_runner.steps
+            _keras_ddp_off(model)
+            return
         if model is not self._model:
             self._close_ddp()
         self._model = model
@@ -212,8 +241,14 @@ class TorchExecutor(Executor):
                     part.uninstall()
 
     def _scope_parts(self, model):
+        if self._mesh_runner is not None:
+            return self._mesh_runner.scope_parts(model)
         parts = [self._steps, StepLogPolicy(self._steps)]
-        if getattr(self.distribution, "sync_batchnorm", False):
+        # A ModelParallel mesh of batch and size-1 axes runs on DDP with the
+        # global batch statistics JAX's ModelParallel uses.
+        if getattr(self.distribution, "sync_batchnorm", False) or not isinstance(
+            self.distribution, DataParallel
+        ):
             parts.append(SyncBatchNorm(model))
         if not self.is_chief:
             parts.append(ChiefOnlyCallbacks())
@@ -229,6 +264,12 @@ class TorchExecutor(Executor):
         random.setstate(state[2])
 
     def release(self, model):
+        if self._mesh_runner is not None:
+            self._mesh_runner.release(model)
+            _keras_ddp_off(model, off=False)
+            self._steps = None
+            self._model = None
+            return
         self._close_ddp()
         _keras_ddp_off(model, off=False)
         if self._undo_saving is not None:
@@ -245,6 +286,17 @@ class TorchExecutor(Executor):
     def close(self):
         """Drops the DDP wrapper before the process group goes (at exit)."""
         self._close_ddp()
+
+    # ------------------------------------------------ ModelParallel only
+    def host_value(self, value):
+        if self._mesh_runner is not None:
+            return self._mesh_runner.host_value(value)
+        return super().host_value(value)
+
+    def saving(self, model):
+        if self._mesh_runner is not None:
+            return self._mesh_runner.saving(model)
+        return super().saving(model)
 
     # ------------------------------------------------------- collectives
     @property

@@ -31,12 +31,36 @@ CallbackList = internal(
 #: Whether a callback overrides a hook (`step_logs.reads_step_logs`).
 is_default = internal("keras.src.utils.python_utils", "is_default").is_default
 
+#: Keras's own DTensor support in its torch backend (keras-nightly 3.16:
+#: `keras.src.backend.torch.distribution_lib`, with the Keras mesh's
+#: `backend_mesh`, `TensorLayout.backend_layout` and a `Variable` that
+#: redistributes assigned values by its `_layout`), used by
+#: `dtensor_layouts` where it exists; `None` with Keras 3.15, which has none.
+keras_dtensor = getattr(internal("keras.src.backend"), "distribution_lib", None)
+if keras_dtensor is not None and not all(
+    hasattr(keras_dtensor, name)
+    for name in ("distribute_tensor", "_to_backend_mesh", "_to_backend_layout")
+):
+    keras_dtensor = None  # Some other torch distribution_lib: use torch's API.
+
+#: Maps a variable to another value while a layer runs (ModelParallel: an
+#: `Embedding` looks rows up in its table gathered along them, `mesh_steps`).
+StatelessScope = internal(
+    "keras.src.backend.common.stateless_scope", "StatelessScope"
+).StatelessScope
+
 #: Attributes of Keras objects the torch backend reads or sets.
 OBJECT_ATTRIBUTES = {
+    # ModelParallel (`dtensor_layouts`): a variable's value is replaced by a
+    # DTensor parameter; `_layout` tells Keras 3.16's `_direct_assign` how
+    # to redistribute assigned values.
+    "keras.Variable": ("_value", "_layout"),
     # BatchNormalization's batch statistics, made global by `sync_bn`.
     "keras.layers.BatchNormalization": ("_moments", "_reduction_axes"),
-    # Model._flatten_layers walks nested layers (sync BN).
-    "keras.Model": ("_flatten_layers",),
+    # Model._flatten_layers walks nested layers (sync BN, ModelParallel);
+    # `_track_variables` re-registers a layer's `_torch_params` after its
+    # variables' values became DTensors (`dtensor_layouts.retrack`).
+    "keras.Model": ("_flatten_layers", "_torch_params", "_track_variables"),
 }
 
 

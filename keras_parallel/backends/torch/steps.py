@@ -33,6 +33,7 @@ rewrite `fit`'s arguments, but both can reach the step):
   input order on every rank.
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.batches import (
     batch_rows,
+    check_same_batches,
     checksum,
     slice_rows,
     split_rows,
@@ -187,43 +189,40 @@ class RankSteps:
         rows = batch_rows(data)
         if rows is None:
             return step(data)
-        if kind == "train" and self._step == 0 and rows < self.world_size:
-            raise ValueError(
-                f"The global batch has {rows} rows but {self.world_size} "
-                "processes train on it, and each needs at least one row. "
-                f"Received: batch of {rows} rows, world size "
-                f"{self.world_size}; use batch_size >= {self.world_size} "
-                "(batch_size is the global batch, split over the processes)."
-            )
+        if kind == "train" and self._step == 0:
+            self._check_batch(rows)
         if kind != "train" and self.dirty:
             self.sync_non_trainable()
-        start, stop, whole = split_rows(rows, self.world_size, self.rank)
+        start, stop, whole = self._rows(rows)
         local = data if whole else slice_rows(data, rows, start, stop)
         self._whole = whole
+        routed = self._routes(kind)
         if kind == "predict":
-            outputs = step(local)
+            self._route_call(routed)
+            try:
+                outputs = step(local)
+            finally:
+                self._route_call(False)
             return outputs if whole else self._gather(outputs, rows)
         if self._pending is None:
             self._pending = self._metric_state()
-        # Every rank computes a whole batch; rank 0 alone may count it.
-        lazy_whole = whole and self.rank and not self._global_step_logs
-        before_step = self._metric_state() if lazy_whole else None
+        # Every rank computes a whole batch (or, under ModelParallel, its
+        # data group's rows); one rank alone may count them.
+        lazy_skip = not self._counts(whole) and not self._global_step_logs
+        before_step = self._metric_state() if lazy_skip else None
         self._rows_seen += rows
         self._check_seen += checksum(data)
         self._in_step = True
         try:
             if kind == "train":
                 self.dirty = True
-                used = rows * self.world_size if whole else rows
-                self._grad_scale = self.world_size * (stop - start) / used
-                self._route_call(True)
-                try:
-                    with self._random_stream:
-                        logs = step(local)
-                finally:
-                    self._route_call(False)
-            else:
-                logs = step(local)
+                self._grad_scale = self._scale(rows, start, stop, whole)
+            self._route_call(routed)
+            try:
+                with self._context(kind):
+                    logs = step(local)
+            finally:
+                self._route_call(False)
         finally:
             self._in_step = False
         if before_step is not None:
@@ -232,6 +231,38 @@ class RankSteps:
             # A custom step that never asked for the metrics' results.
             self._reduce_metrics()
         return logs
+
+    # What a subclass (`model_parallel.MeshSteps`) changes, one decision each.
+    def _check_batch(self, rows):
+        if rows < self.world_size:
+            raise ValueError(
+                f"The global batch has {rows} rows but {self.world_size} "
+                "processes train on it, and each needs at least one row. "
+                f"Received: batch of {rows} rows, world size "
+                f"{self.world_size}; use batch_size >= {self.world_size} "
+                "(batch_size is the global batch, split over the processes)."
+            )
+
+    def _rows(self, rows):
+        """`(start, stop, whole)`: this rank's rows of a global batch."""
+        return split_rows(rows, self.world_size, self.rank)
+
+    def _counts(self, whole):
+        """Whether this rank's metric updates of the step count globally."""
+        return not whole or self.rank == 0
+
+    def _scale(self, rows, start, stop, whole):
+        """The factor of this rank's output gradient (module docstring)."""
+        used = rows * self.world_size if whole else rows
+        return self.world_size * (stop - start) / used
+
+    def _routes(self, kind):
+        """Whether the model's forward pass is routed in this kind of step."""
+        return kind == "train"
+
+    def _context(self, kind):
+        """What is in force while one step runs: the rank's random stream."""
+        return self._random_stream if kind == "train" else contextlib.nullcontext()
 
     def _route_call(self, on):
         model = self.model
@@ -281,8 +312,8 @@ class RankSteps:
         before, self._pending = self._pending, None
         after = self._metric_state()
         delta = after - before.to(after.device)
-        if self._whole and self._global_step_logs and self.rank != 0:
-            delta = torch.zeros_like(delta)  # This step counted once, by rank 0.
+        if self._global_step_logs and not self._counts(self._whole):
+            delta = torch.zeros_like(delta)  # Counted once, by another rank.
         rows, check = self._rows_seen, self._check_seen
         self._rows_seen = self._check_seen = 0.0
         extra = torch.tensor(
@@ -290,7 +321,7 @@ class RankSteps:
         )
         packed = torch.cat([delta, extra.to(delta.device)])
         dist.all_reduce(packed)
-        _check_same_batches(packed[delta.numel() :].tolist(), self.rank, rows)
+        check_same_batches(packed[delta.numel() :].tolist(), self.rank, rows)
         self._set_metric_state(before.to(after.device) + packed[: delta.numel()])
 
     def _set_metric_state(self, flat):
@@ -346,23 +377,6 @@ class RankSteps:
                 n = v.value.numel()
                 v.value.copy_(flat[offset : offset + n].reshape(v.value.shape))
                 offset += n
-
-
-def _check_same_batches(extra, rank, rows):
-    ranks, total, squares, check, check_squares = extra
-    sizes_differ = abs(ranks * squares - total * total) > 0.5
-    spread = ranks * check_squares - check * check
-    data_differ = spread > 1e-9 * max(1.0, check * check)
-    if sizes_differ or data_differ:
-        what = "sizes" if sizes_differ else "contents"
-        raise ValueError(
-            f"The ranks received global batches of different {what} in the "
-            f"same steps (rank {rank} had {rows:g} rows; mean over ranks "
-            f"{total / ranks:g}). Every rank must iterate the same data in "
-            "the same order: give each process the whole data set (not a "
-            "per-rank shard) with the same length; keras_parallel slices "
-            "each global batch itself."
-        )
 
 
 def _is_collective_failure(error):

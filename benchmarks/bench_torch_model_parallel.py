@@ -1,0 +1,138 @@
+"""ModelParallel on a (1, 4) mesh against DataParallel (DDP), on torch.
+
+An MLP of about 100 M parameters (2048 -> 8192 -> 8192 -> 2048, float32:
+402 MB of weights) trains with `model.fit` in 4 gloo processes, once under
+`keras_parallel.DataParallel()` (DDP: every process holds the whole model,
+its gradients and DDP's buckets) and once under `ModelParallel` on a mesh
+`(data=1, model=4)` with every kernel split 4 ways (d1 and d3 by columns, d2
+by rows, as Megatron does): each process holds a quarter.
+
+For each, rank 0 prints the seconds per step (median of `--steps` timed
+steps after one warm-up step) and the memory per process: the peak resident
+set during the timed steps (`VmHWM`, reset after the warm-up), less the
+process's resident set before the model was built (torch, Keras and the
+data). Target: ModelParallel's at most 0.30 of DDP's. No speed target on
+CPU: the split model all-reduces activations in every layer over gloo.
+
+Usage:
+
+    KERAS_BACKEND=torch python benchmarks/bench_torch_model_parallel.py \\
+        [--steps 5] [--batch 32]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+WIDTHS = (2048, 8192, 8192, 2048)
+
+
+def _rss_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak():
+    # Linux: writing 5 resets the peak resident set (VmHWM) to the current.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _build(distributed, kind):
+    import keras
+
+    import keras_parallel
+
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((WIDTHS[0],))
+    x = keras.layers.Dense(WIDTHS[1], activation="relu", name="d1")(inputs)
+    x = keras.layers.Dense(WIDTHS[2], activation="relu", name="d2")(x)
+    outputs = keras.layers.Dense(WIDTHS[3], name="d3")(x)
+    model = Net(inputs=inputs, outputs=outputs, name="mlp100m")
+    if kind == "ddp":
+        distribution = keras_parallel.DataParallel()
+    else:
+        devices = keras_parallel.DataParallel().device_mesh.devices.ravel().tolist()
+        mesh = keras.distribution.DeviceMesh((1, 4), ["data", "model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["d1/kernel"] = (None, "model")
+        layout_map["d1/bias"] = ("model",)
+        layout_map["d2/kernel"] = ("model", None)
+        layout_map["d3/kernel"] = (None, "model")
+        layout_map["d3/bias"] = ("model",)
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="data"
+        )
+    model.compile(
+        optimizer=keras.optimizers.SGD(1e-3), loss="mse", distribution=distribution
+    )
+    return model
+
+
+def worker(kind, steps, batch):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * (steps + 1), WIDTHS[0])).astype("float32")
+    y = rng.normal(size=(batch * (steps + 1), WIDTHS[-1])).astype("float32")
+    before = _rss_kib("VmRSS")
+    model = _build(True, kind)
+    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
+    _reset_peak()
+    times = []
+    for step in range(1, steps + 1):
+        rows = slice(step * batch, (step + 1) * batch)
+        start = time.perf_counter()
+        model.fit(x[rows], y[rows], batch_size=batch, epochs=1, verbose=0)
+        times.append(time.perf_counter() - start)
+    peak = _rss_kib("VmHWM")
+    plan = model._kp_binding.plan
+    return {
+        "step_s": statistics.median(times),
+        "model_mib": (peak - before) / 1024,
+        "peak_mib": peak / 1024,
+        "plan_mib": plan.bytes_per_device() / 2**20,
+        "params": sum(int(np.prod(v.shape)) for v in model.trainable_variables),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args(argv)
+    from keras_parallel.launcher.processes import launch
+
+    results = {}
+    for kind in ("ddp", "model_parallel"):
+        ranks = launch(worker, 4, args=(kind, args.steps, args.batch), timeout=1800)
+        results[kind] = ranks
+        worst = max(r["model_mib"] for r in ranks)
+        print(
+            f"{kind:15s} params {ranks[0]['params'] / 1e6:.1f} M  "
+            f"step {ranks[0]['step_s']:.2f} s  "
+            f"memory per process {worst:.0f} MiB "
+            f"(peak RSS {max(r['peak_mib'] for r in ranks):.0f} MiB; "
+            f"plan: {ranks[0]['plan_mib']:.0f} MiB of variables)"
+        )
+    ratio = max(r["model_mib"] for r in results["model_parallel"]) / max(
+        r["model_mib"] for r in results["ddp"]
+    )
+    speed = results["model_parallel"][0]["step_s"] / results["ddp"][0]["step_s"]
+    print(f"memory ModelParallel / DDP: {ratio:.2f} (target <= 0.30)")
+    print(f"time per step ModelParallel / DDP: {speed:.2f}")
+    return 0 if ratio <= 0.30 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

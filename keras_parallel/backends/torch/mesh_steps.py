@@ -1,0 +1,388 @@
+"""What each rank does inside Keras's torch steps under `ModelParallel`.
+
+The variables are DTensors on the torch mesh (`dtensor_layouts`). Everything
+that surrounds the model's forward pass (the loss, the metrics, Keras's
+trainer) stays on plain tensors, as under DataParallel (`steps.RankSteps`,
+which this extends); only the model's own `call` runs on DTensors:
+
+- Rows: the ranks of one data group (the same index along the batch axis)
+  compute the same rows: a global batch of `B` rows over a batch axis of
+  size `D` gives each group `B / D` contiguous rows. A batch that `D` does
+  not divide (the last of an epoch) is computed whole by every rank, as the
+  JAX executor places it replicated: nothing is padded, dropped or counted
+  twice, and BatchNorm sees the true batch.
+- Forward: the rows enter `call` as a DTensor split along the batch axis
+  (`Shard(0)`) and replicated along the others, so every op inside sees the
+  global batch (a BatchNorm mean is the global batch's), and leave it as
+  this group's rows of the outputs, a plain tensor. `<layer>/output` keys
+  redistribute that layer's outputs (DTensor's autograd redistributes their
+  gradients back in the backward pass).
+- Backward: each rank's output gradient is scaled by `1 / D` (1 for a whole
+  batch), so the sum over groups is the gradient of the global mean loss.
+  Before the optimizer runs, every gradient is redistributed to its
+  variable's placements: the partial sums over the batch axis (and over a
+  model axis, for a replicated variable used with split ones) are
+  all-reduced there. Optimizer slots are DTensors with their variable's
+  placements, so the update runs shard by shard.
+- Metrics: one rank per data group (the one at index 0 of every other axis)
+  counts its rows; the base class sums the counts over ranks.
+- Predict: the groups' rows are gathered in input order on every rank.
+"""
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from keras_parallel.backends.torch import dtensor_layouts
+from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.steps import RankSteps
+from keras_parallel.errors import ShardingError
+
+
+class MeshSteps(RankSteps):
+    """The per-rank steps of `RankSteps`, on a model of DTensor variables.
+
+    Args:
+        model: the Keras model, its variables placed by `dtensor_layouts`.
+        mesh: the torch `DeviceMesh`.
+        plan: the `ShardingPlan` (batch axis, output constraints).
+        rank: this process's rank.
+    """
+
+    def __init__(self, model, mesh, plan, rank):
+        super().__init__(model, None, mesh.size(), rank)
+        self.mesh = mesh
+        self.plan = plan
+        self.batch_dim = plan.axis_names.index(plan.batch_axis)
+        coordinate = mesh.get_coordinate()
+        self.data_size = int(plan.mesh_shape[self.batch_dim])
+        self.data_index = int(coordinate[self.batch_dim])
+        #: This rank counts its data group's metrics.
+        self.leader = all(
+            c == 0 for i, c in enumerate(coordinate) if i != self.batch_dim
+        )
+        self._local_rows = None
+        self._stack = None
+        self._constraints = OutputConstraints(self)
+
+    # -------------------------------------------------------- install
+    def install(self):
+        if self._installed:
+            return
+        super().install()
+        self._stack = contextlib.ExitStack()
+        # Between steps too: a callback may assign whole values (EarlyStopping
+        # restoring weights) to split variables.
+        self._stack.enter_context(dtensor_layouts.promotion())
+        if self.mesh.device_type == "cpu":
+            # torch's CPU flash-attention kernel (which Keras's
+            # `dot_product_attention` reaches) has no DTensor rule for its
+            # backward; the math kernel is made of ops that have one.
+            self._stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        self._constraints.install()
+        self._stack.callback(self._constraints.uninstall)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            self._stack.enter_context(reduced_gradients(optimizer))
+
+    def uninstall(self):
+        if not self._installed:
+            return
+        stack, self._stack = self._stack, None
+        try:
+            if stack is not None:
+                stack.close()
+        finally:
+            super().uninstall()
+
+    # ------------------------------------------------- RankSteps hooks
+    def _check_batch(self, rows):
+        """Any batch size: a batch the batch axis does not divide is whole."""
+
+    def _rows(self, rows):
+        if rows % self.data_size:
+            self._local_rows = rows
+            return 0, rows, True
+        per_group = rows // self.data_size
+        start = self.data_index * per_group
+        self._local_rows = per_group
+        return start, start + per_group, False
+
+    def _counts(self, whole):
+        return self.rank == 0 if whole else self.leader
+
+    def _scale(self, rows, start, stop, whole):
+        return 1.0 if whole else 1.0 / self.data_size
+
+    def _routes(self, kind):
+        return True
+
+    def _context(self, kind):
+        # Every rank of a data group must draw the same dropout mask (the
+        # layer draws it in the global shape): no per-rank random stream.
+        return contextlib.nullcontext()
+
+    def _route_call(self, on):
+        if on:
+            object.__setattr__(self.model, "call", self._routed_call)
+        elif self._saved.get("call") is None:
+            self.model.__dict__.pop("call", None)
+        else:
+            object.__setattr__(self.model, "call", self._saved["call"])
+
+    def sync_non_trainable(self):
+        # DTensor variables are one value on the mesh: nothing to agree on.
+        self.dirty = False
+
+    # --------------------------------------------------------- forward
+    def batch_placements(self):
+        """The placements of this step's batch: split, or whole."""
+        return tuple(
+            Shard(0) if i == self.batch_dim and not self._whole else Replicate()
+            for i in range(self.mesh.ndim)
+        )
+
+    def _routed_call(self, *args, **kwargs):
+        placements = self.batch_placements()
+        rows = self._local_rows
+        # A whole batch that the mesh does not divide can make torch shard
+        # it unevenly over some axis inside the model, where a reshape then
+        # fails ("Cannot flatten unevenly sharded tensor"). In evaluation
+        # and prediction rows are independent: such a batch is padded to a
+        # multiple of the mesh size (its last row repeated) and the padding
+        # cut from the outputs. Training keeps the true batch (BatchNorm).
+        pad = 0
+        if self._whole and not torch.is_grad_enabled():
+            pad = -rows % self.mesh.size()
+
+        def enter(leaf):
+            if (
+                isinstance(leaf, torch.Tensor)
+                and not isinstance(leaf, DTensor)
+                and leaf.ndim
+                and leaf.shape[0] == rows
+            ):
+                if pad:
+                    leaf = torch.cat([leaf, leaf[-1:].expand(pad, *leaf.shape[1:])])
+                return DTensor.from_local(leaf, self.mesh, placements, run_check=False)
+            return leaf
+
+        def leave(leaf):
+            if not isinstance(leaf, DTensor):
+                return leaf
+            wanted = placements if leaf.ndim else (Replicate(),) * self.mesh.ndim
+            local = leaf.redistribute(self.mesh, wanted).to_local()
+            return local[:rows] if pad and local.ndim else local
+
+        args, kwargs = tree.map_structure(enter, (args, kwargs))
+        outputs = tree.map_structure(leave, self._own_call(*args, **kwargs))
+        scale = self._grad_scale
+        if scale != 1.0 and torch.is_grad_enabled():
+            for t in tree.flatten(outputs):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, s=scale: g * s)
+        return outputs
+
+    def _gather(self, outputs, rows):
+        # Each data group holds its rows; together, in order, they are the
+        # batch (the batch axis divides it, else it was computed whole).
+        placements = self.batch_placements()
+
+        def gather(t):
+            if not isinstance(t, torch.Tensor) or not t.ndim:
+                return t
+            split = DTensor.from_local(t, self.mesh, placements, run_check=False)
+            return split.full_tensor()
+
+        return tree.map_structure(gather, outputs)
+
+
+class OutputConstraints:
+    """Redistributes the outputs of the layers `<layer>/output` keys name.
+
+    While installed, each such layer's `call` is wrapped (an instance
+    attribute) so that its DTensor outputs take the planned placements. In a
+    step whose batch is computed whole, the batch axis is dropped from the
+    constraint: the batch is not split there.
+
+    Every `Embedding` whose table is split along its rows (the vocabulary)
+    looks its rows up in the table gathered along them, for the call only
+    (the gradient is reduce-scattered back to the shards): torch (2.13)
+    gives such a lookup a `MaskPartial` output, which it cannot carry
+    through later ops (a reshape in `EinsumDense`, a residual `Add`, a batch
+    it split itself: an `AssertionError` or an `IndexError` on the mask's
+    shape).
+
+    Every `MultiHeadAttention` computes its attention on query, key and
+    value laid out alike, split along the batch and the heads only (other
+    splits and partial sums made whole first): keras-nightly's torch
+    `dot_product_attention` computes on each process's local parts and
+    reuses the query's placements for the output, which is wrong for a key
+    or value laid out otherwise (seen: wrong predictions for batches of 11
+    and 12 rows, right ones for 64).
+
+    Args:
+        steps: the `MeshSteps` (mesh, plan, whether the batch is whole).
+    """
+
+    def __init__(self, steps):
+        self.steps = steps
+        self._saved = []
+        self._attention = []
+
+    def _layers(self):
+        from keras import layers
+
+        wanted = {o.path: o for o in self.steps.plan.outputs}
+        model = self.steps.model
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            path = (getattr(layer, "path", None) or layer.name) + "/output"
+            output = wanted.pop(path, None)
+            if output is not None or isinstance(layer, layers.Embedding):
+                yield layer, output
+
+    def install(self):
+        from keras import layers
+
+        for layer, output in self._layers():
+            self._saved.append((layer, layer.__dict__.get("call")))
+            call = layer.call
+            if isinstance(layer, layers.Embedding):
+                call = _gathered_lookup(call, layer, self.steps.mesh)
+            object.__setattr__(layer, "call", self._constrained(call, output))
+        model = self.steps.model
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            if isinstance(layer, layers.MultiHeadAttention):
+                self._attention.append(
+                    (layer, layer.__dict__.get("_compute_attention"))
+                )
+                object.__setattr__(
+                    layer,
+                    "_compute_attention",
+                    _aligned_attention(layer._compute_attention, self.steps.mesh),
+                )
+
+    def uninstall(self):
+        for name, saved in (
+            ("call", self._saved),
+            ("_compute_attention", self._attention),
+        ):
+            for layer, value in reversed(saved):
+                if value is None:
+                    layer.__dict__.pop(name, None)
+                else:
+                    object.__setattr__(layer, name, value)
+        self._saved = []
+        self._attention = []
+
+    def _placements(self, leaf, output):
+        steps = self.steps
+        if output is None:
+            return tuple(Replicate() if p.is_partial() else p for p in leaf.placements)
+        if leaf.ndim != len(output.axes):
+            raise ShardingError(
+                f"The layout of output key {output.key!r} has rank "
+                f"{len(output.axes)}, but the output of {output.path!r} has "
+                f"rank {leaf.ndim}. Received: axes={output.axes}, output "
+                f"shape={tuple(leaf.shape)}; give one axis (or None) per "
+                "output dimension."
+            )
+        axes = output.axes
+        if steps._whole:
+            axes = tuple(None if a == steps.plan.batch_axis else a for a in axes)
+        return dtensor_layouts.placements(axes, steps.mesh.mesh_dim_names)
+
+    def _constrained(self, call, output):
+        def constrain(leaf):
+            if not isinstance(leaf, DTensor):
+                return leaf
+            wanted = self._placements(leaf, output)
+            if tuple(leaf.placements) == wanted:
+                return leaf
+            return leaf.redistribute(self.steps.mesh, wanted)
+
+        def constrained_call(*args, **kwargs):
+            return tree.map_structure(constrain, call(*args, **kwargs))
+
+        return constrained_call
+
+
+def _gathered_lookup(call, layer, mesh):
+    """`layer.call` on its table gathered along the rows (class docstring)."""
+    from keras_parallel.backends.torch.keras_compat import StatelessScope
+
+    def lookup(*args, **kwargs):
+        variable = layer.embeddings
+        table = variable.value
+        if not isinstance(table, DTensor) or not any(
+            p.is_shard(0) for p in table.placements
+        ):
+            return call(*args, **kwargs)
+        whole_rows = tuple(
+            Replicate() if p.is_shard(0) else p for p in table.placements
+        )
+        table = table.redistribute(mesh, whole_rows)
+        with StatelessScope(state_mapping=[(variable, table)]):
+            return call(*args, **kwargs)
+
+    return lookup
+
+
+def _aligned_attention(compute, mesh):
+    """`_compute_attention` on q, k, v split alike (class docstring)."""
+
+    def aligned(query, key, value, *args, **kwargs):
+        if isinstance(query, DTensor):
+            # [batch, positions, heads, head size]: batch and heads only.
+            wanted = tuple(
+                p if p.is_shard(0) or p.is_shard(2) else Replicate()
+                for p in query.placements
+            )
+            query, key, value = (
+                t.redistribute(mesh, wanted) if isinstance(t, DTensor) else t
+                for t in (query, key, value)
+            )
+        return compute(query, key, value, *args, **kwargs)
+
+    return aligned
+
+
+@contextlib.contextmanager
+def reduced_gradients(optimizer):
+    """While in scope, `optimizer.apply` first reduces each gradient.
+
+    A gradient leaves the backward pass with the placements the ops gave it
+    (`Partial` sums over the batch axis, for one); it is redistributed to
+    its variable's placements before Keras's update reads it, once, rather
+    than by every op of the update that reads it.
+
+    Args:
+        optimizer: the model's Keras optimizer.
+    """
+    own = optimizer.__dict__.get("apply")
+    apply = optimizer.apply
+
+    def apply_reduced(grads, trainable_variables=None):
+        if trainable_variables is not None:
+            grads = [_reduced(g, v) for g, v in zip(grads, trainable_variables)]
+        return apply(grads, trainable_variables)
+
+    object.__setattr__(optimizer, "apply", apply_reduced)
+    try:
+        yield
+    finally:
+        if own is None:
+            optimizer.__dict__.pop("apply", None)
+        else:
+            object.__setattr__(optimizer, "apply", own)
+
+
+def _reduced(grad, variable):
+    value = getattr(variable, "_value", None)
+    if not (isinstance(grad, DTensor) and isinstance(value, DTensor)):
+        return grad
+    if tuple(grad.placements) == tuple(value.placements):
+        return grad
+    return grad.redistribute(value.device_mesh, value.placements)

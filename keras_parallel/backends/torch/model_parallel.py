@@ -1,0 +1,136 @@
+"""`ModelParallel` on torch: the executor's hooks for a mesh of DTensors.
+
+The torch executor hands a `ModelParallel` whose mesh splits anything but
+the batch to a `MeshRunner` (DataParallel, and a mesh whose every other axis
+has size 1, keep DistributedDataParallel, which is faster):
+
+- `apply`: makes the torch `DeviceMesh` (once), places every variable the
+  plan lays out as a DTensor (`dtensor_layouts`), re-registers the layers'
+  torch parameters, and makes the model's saves write on rank 0 only while
+  every rank gathers (a collective save).
+- `scope_parts`: the `MeshSteps` (rows, DTensor forward, reduced gradients,
+  global metrics), the choice of when metrics are made global, and the
+  chief-only callbacks (`ModelCheckpoint` runs on every rank: saving a split
+  variable is a collective).
+- `saving`: every rank gathers the split variables, rank 0 writes.
+- `release`: every variable whole and plain again.
+"""
+
+import contextlib
+
+from keras_parallel.backends.torch import dtensor_layouts
+from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.mesh_steps import MeshSteps
+from keras_parallel.backends.torch.step_logs import StepLogPolicy
+from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.plan import iter_planned_variables
+
+
+def splits_model(distribution):
+    """Whether a distribution's mesh splits anything but the batch.
+
+    Args:
+        distribution: a `keras.distribution.Distribution`.
+
+    Returns:
+        True if an axis other than `batch_dim_name` has more than one
+        device: `ModelParallel` needs DTensors. A mesh `(4, 1)` does not:
+        it is data parallelism, and runs as such (DDP).
+    """
+    mesh = distribution.device_mesh
+    return any(
+        int(size) > 1
+        for name, size in zip(mesh.axis_names, mesh.shape)
+        if name != distribution.batch_dim_name
+    )
+
+
+class MeshRunner:
+    """Runs a `ShardingPlan` with DTensor variables on a torch mesh.
+
+    Args:
+        executor: the `TorchExecutor` (distribution, rank, collectives).
+    """
+
+    def __init__(self, executor):
+        self.executor = executor
+        self.mesh = None
+        self.steps = None
+        self.model = None
+        self._undo_saving = None
+
+    def _torch_mesh(self):
+        if self.mesh is None:
+            self.mesh = dtensor_layouts.torch_mesh(
+                self.executor.distribution.device_mesh, torch_group.device_type()
+            )
+        return self.mesh
+
+    def apply(self, model, plan):
+        """Places the planned variables as DTensors (a collective)."""
+        if model is not self.model:
+            self.release_steps()
+        self.model = model
+        mesh = self._torch_mesh()
+        keras_mesh = self.executor.distribution.device_mesh
+        with dtensor_layouts.promotion():
+            for variable, entry in iter_planned_variables(model, plan):
+                if dtensor_layouts.is_placed(entry, variable):
+                    dtensor_layouts.place(variable, entry.axes, keras_mesh, mesh)
+        dtensor_layouts.retrack(model)
+        if self.steps is None:
+            self.steps = MeshSteps(model, mesh, plan, self.executor.process_index)
+        else:
+            # Planned again (fit built the optimizer) while an entry point
+            # may run: the installed steps take the new plan.
+            self.steps.plan = plan
+        if not self.executor.is_chief and self._undo_saving is None:
+            self._undo_saving = chief_only_saving(model, self.saving)
+        torch_group.on_teardown(self)
+
+    def scope_parts(self, model):
+        """What `TorchExecutor.scope` installs while an entry point runs."""
+        parts = [self.steps, StepLogPolicy(self.steps)]
+        if not self.executor.is_chief:
+            parts.append(ChiefOnlyCallbacks(collective_saving=True))
+        return parts
+
+    @contextlib.contextmanager
+    def saving(self, model):
+        """Every rank gathers the split variables; Keras then reads them."""
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        with dtensor_layouts.gathered(variables):
+            yield
+
+    def host_value(self, value):
+        """A variable's whole value as NumPy (a collective if it is split)."""
+        from keras import ops
+
+        return ops.convert_to_numpy(dtensor_layouts.whole_value(value))
+
+    def release_steps(self):
+        if self.steps is not None:
+            self.steps.uninstall()
+        self.steps = None
+
+    def release(self, model):
+        """Every variable whole and plain again (a collective)."""
+        self.release_steps()
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        for variable in variables:
+            dtensor_layouts.unplace(variable)
+        dtensor_layouts.retrack(model)
+        if self._undo_saving is not None:
+            self._undo_saving()
+            self._undo_saving = None
+        self.model = None
+
+    def close(self):
+        """Drops the steps before the process group goes (at exit)."""
+        self.release_steps()

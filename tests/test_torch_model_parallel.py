@@ -1,0 +1,239 @@
+"""ModelParallel on torch: DTensor variables under plain `model.fit`.
+
+The proof is equivalence, as on JAX (tests/test_model.py): 4 gloo processes
+on meshes `(4, 1)`, `(2, 2)` and `(1, 4)` of axes `("data", "model")` train
+from the same initial weights, on the same global batches, with SGD, to the
+weights one device reaches, while each process holds only its shards. All
+cases share one launch (`keras_parallel.launch`) to keep the suite short on
+a small machine; the single-device references run in this process.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="torch executor tests"
+)
+
+import torch_model_parallel_workers as workers  # noqa: E402
+
+import keras_parallel  # noqa: E402
+
+MESHES = [(4, 1), (2, 2), (1, 4)]
+CASES = {}
+for _mesh in MESHES:
+    _m = f"{_mesh[0]}x{_mesh[1]}"
+    CASES[f"mlp_one_step_{_m}"] = dict(kind="mlp", mesh=_mesh, steps=1, inspect=True)
+    CASES[f"mlp_ten_steps_{_m}"] = dict(kind="mlp", mesh=_mesh, steps=10, n=640)
+    # 1003 samples at batch 64: a last batch of 43, which no data axis
+    # here divides; evaluate and predict (203 rows: 64, 64, 64, 11) too.
+    CASES[f"mlp_epoch_{_m}"] = dict(
+        kind="mlp", mesh=_mesh, steps=None, n=1003, evaluate=True
+    )
+    CASES[f"convnet_one_step_{_m}"] = dict(kind="convnet", mesh=_mesh, steps=1)
+CASES["transformer_ten_steps_2x2"] = dict(
+    kind="transformer", mesh=(2, 2), steps=10, n=640, evaluate=True
+)
+ONE_STEP = {name for name, case in CASES.items() if case["steps"] == 1}
+SAVED = "mlp_epoch_2x2"
+
+
+def _launch(fn, n, args=(), **kwargs):
+    from keras_parallel.launcher.processes import launch
+
+    kwargs.setdefault("timeout", 300)
+    kwargs.setdefault("collective_timeout", 60)
+    return launch(fn, n, args=args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("saved"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(saved_dir):
+    names = list(CASES)
+    cases = [
+        dict(CASES[k], save_to=saved_dir) if k == SAVED else CASES[k] for k in names
+    ]
+    results = _launch(workers.scenarios, 4, args=(cases, True))
+    out = {name: [rank[i] for rank in results] for i, name in enumerate(names)}
+    out["bad_inputs"] = results[0][-1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single():
+    return {
+        name: workers.train(**dict(case, distributed=False, inspect=False))
+        for name, case in CASES.items()
+    }
+
+
+def max_rel(weights, reference):
+    """The largest difference, relative to each variable's largest value.
+
+    A variable whose values all stay below 1e-3 of the model's largest
+    weight is compared at that scale: a conv bias before a BatchNorm, or
+    the attention's key bias, has a zero gradient in exact arithmetic and
+    holds only rounding noise, which no relative measure of its own fits.
+    """
+    floor = 1e-3 * max(float(np.max(np.abs(b))) for b in reference)
+    return max(
+        float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), floor)
+        for a, b in zip(weights, reference)
+    )
+
+
+# ------------------------------------------------------------ one process
+def test_only_a_mesh_that_splits_more_than_the_batch_needs_dtensors():
+    from keras_parallel.backends.torch.model_parallel import splits_model
+
+    def model_parallel(shape):
+        devices = [f"cpu:{i}" for i in range(int(np.prod(shape)))]
+        mesh = keras.distribution.DeviceMesh(shape, ["data", "model"], devices)
+        return keras.distribution.ModelParallel(
+            layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="data"
+        )
+
+    assert not splits_model(model_parallel((4, 1)))  # Data parallelism: DDP.
+    assert splits_model(model_parallel((2, 2)))
+    assert splits_model(model_parallel((1, 4)))
+
+
+def test_placements_follow_the_layout_axes():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from keras_parallel.backends.torch.dtensor_layouts import placements
+
+    axes = ("data", "model")
+    assert placements((None, "model"), axes) == (Replicate(), Shard(1))
+    assert placements(("model", "data", None), axes) == (Shard(1), Shard(0))
+    assert placements((None,), axes) == (Replicate(), Replicate())
+
+
+def test_model_parallel_larger_than_the_process_group_is_refused():
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["data", "model"], [f"cpu:{i}" for i in range(4)]
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data"
+    )
+    with pytest.raises(
+        keras_parallel.ShardingError, match="one process per device.*fewer"
+    ):
+        keras_parallel.ShardingCallback(distribution)
+
+
+# --------------------------------------------------------- four processes
+@pytest.mark.parametrize("name", list(CASES))
+def test_weights_equal_one_device(four_ranks, single, name):
+    ranks = four_ranks[name]
+    for other in ranks[1:]:  # Every process gathers the same whole weights.
+        for a, b in zip(other["weights"], ranks[0]["weights"]):
+            np.testing.assert_array_equal(a, b)
+    tolerance = 1e-5 if name in ONE_STEP else 1e-4
+    assert max_rel(ranks[0]["weights"], single[name]["weights"]) < tolerance
+    np.testing.assert_allclose(ranks[0]["loss"], single[name]["loss"], rtol=1e-5)
+
+
+def test_training_moved_the_weights(four_ranks):
+    # Equality with one device means something only if training moved them.
+    initial = [np.asarray(w) for w in workers.build("mlp", False).get_weights()]
+    assert max_rel(four_ranks["mlp_epoch_2x2"][0]["weights"], initial) > 1e-2
+
+
+@pytest.mark.parametrize("mesh", ["2x2", "1x4"])
+def test_each_process_holds_its_shard_as_describe_says(four_ranks, mesh):
+    model_axis = int(mesh[-1])
+    for result in four_ranks[f"mlp_one_step_{mesh}"]:
+        # Bytes held = the plan's bytes per device < the whole model.
+        assert result["held_bytes"] == result["plan_bytes"]
+        assert result["plan_bytes"] < result["total_bytes"]
+        placements = result["placements"]
+        assert placements["d1/kernel"] == (["R", "S(1)"], (16, 32 // model_axis))
+        assert placements["d2/kernel"] == (["R", "S(0)"], (32 // model_axis, 8))
+        # The optimizer slots are split like their variables.
+        assert placements["sgd/d1_kernel_momentum"] == placements["d1/kernel"]
+        assert placements["sgd/d2_kernel_momentum"] == placements["d2/kernel"]
+        assert f"{result['held_bytes'] / 1024:.1f} KiB of" in result["describe"]
+
+
+def test_describe_prints_the_plan_table_one_process_plans(four_ranks):
+    text = four_ranks["mlp_one_step_2x2"][0]["describe"]
+    assert "Backend: torch, 4 devices in 4 processes" in text
+    assert "Mesh: data=2, model=2" in text
+    # The table JAX prints for the same model and LayoutMap: the same plan.
+    assert workers.table_of(text) == workers.plan_table("mlp", (2, 2))
+
+
+def test_output_key_redistributes_the_layer_output(four_ranks):
+    # d2's output is a partial sum over `model` without its key.
+    for mesh in ("2x2", "1x4"):
+        assert four_ranks[f"mlp_one_step_{mesh}"][0]["d2_output"] == ["S(0)", "R"]
+
+
+@pytest.mark.parametrize("mesh", ["4x1", "2x2", "1x4"])
+def test_evaluate_and_predict_equal_one_device(four_ranks, single, mesh):
+    name = f"mlp_epoch_{mesh}"
+    for result in four_ranks[name]:
+        assert result["evaluation"] == pytest.approx(
+            single[name]["evaluation"], rel=1e-5
+        )
+        assert result["predictions"].shape == (203, 8)  # Gathered, in order.
+        np.testing.assert_allclose(
+            result["predictions"], single[name]["predictions"], atol=1e-5
+        )
+
+
+def test_transformer_block_predicts_as_one_device(four_ranks, single):
+    name = "transformer_ten_steps_2x2"
+    for result in four_ranks[name]:
+        assert result["evaluation"] == pytest.approx(
+            single[name]["evaluation"], rel=1e-5
+        )
+        np.testing.assert_allclose(
+            result["predictions"], single[name]["predictions"], atol=1e-4
+        )
+
+
+def test_saved_sharded_model_loads_on_one_device(four_ranks, saved_dir):
+    loaded = keras.saving.load_model(os.path.join(saved_dir, "mlp.keras"))
+    assert type(loaded).__name__ == "Functional"  # Plain Keras, one device.
+    for a, b in zip(loaded.get_weights(), four_ranks[SAVED][0]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    x, _ = workers.data("mlp", 203)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), four_ranks[SAVED][0]["predictions"], atol=1e-5
+    )
+    # The momentum slots were saved whole too.
+    assert loaded.optimizer.iterations.numpy() == 16
+
+
+def test_bad_inputs_fail_with_the_plans_words(four_ranks):
+    errors = four_ranks["bad_inputs"]
+    assert (
+        "needs one process per device of its mesh, but fewer"
+        in (errors["fewer processes"])
+    )
+    assert "(8 devices) and 4 process(es)" in errors["fewer processes"]
+    assert (
+        "needs one process per device of its mesh, but more"
+        in (errors["more processes"])
+    )
+    # The same texts as on JAX: they come from the plan.
+    assert errors["rank"].startswith(
+        "The layout of LayoutMap key 'd1/kernel' has rank 3, but variable"
+    )
+    assert errors["two keys"].startswith(
+        "Variable 'd1/kernel' is matched by 2 LayoutMap keys"
+    )
+    assert errors["indivisible"].startswith(
+        "Variable 'd2/kernel' cannot be split over mesh axis 'model'"
+    )

@@ -1,0 +1,347 @@
+"""Functions the torch ModelParallel tests run in every rank (and in one).
+
+Spawned processes import them by name, so they live outside the test module.
+Each case trains one model with `model.fit` under a `ModelParallel` over a
+2D mesh `("data", "model")` of the 4 processes, or, with
+`distributed=False`, the same model on one device in plain Keras, from the
+same initial weights on the same global batches. Results are plain NumPy /
+Python values.
+"""
+
+import os
+
+import numpy as np
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+AXES = ("data", "model")
+
+
+def _keras():
+    import keras
+
+    return keras
+
+
+def _model_class(distributed):
+    keras = _keras()
+    if not distributed:
+        return keras.Model
+    import keras_parallel
+
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    return Net
+
+
+# ------------------------------------------------------------------ models
+def mlp(model_class, batchnorm=False):
+    """The guide's MLP: d1 (16 -> 32), optional BatchNorm, d2 (32 -> 8)."""
+    from builders import dense_model
+
+    return dense_model(model_class, batchnorm=batchnorm)
+
+
+def mlp_layouts(layout_map):
+    """`d1/kernel` split over `model` (columns), `d2`'s rows, d2's output."""
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    layout_map["d2/kernel"] = ("model", None)
+    layout_map["d2/output"] = ("data", None)
+
+
+def convnet(model_class):
+    """The guide's convnet (demo.get_model), without its Dropout.
+
+    Dropout's masks are drawn per process under DDP (mesh `(4, 1)`), so they
+    would differ from one device's; the rate is set to 0 to compare.
+    """
+    keras = _keras()
+    from keras_parallel import demo
+
+    keras.utils.set_random_seed(2)
+    model = demo.get_model(model_class)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Dropout):
+            layer.rate = 0.0
+    return model
+
+
+def convnet_layouts(layout_map, model):
+    """The convnet's two dense kernels split over `model`."""
+    keras = _keras()
+    hidden, logits = [la for la in model.layers if isinstance(la, keras.layers.Dense)]
+    layout_map[f"{hidden.name}/kernel"] = (None, "model")
+    layout_map[f"{hidden.name}/bias"] = ("model",)
+    layout_map[f"{logits.name}/kernel"] = ("model", None)
+
+
+VOCAB, SEQ, HIDDEN, HEADS, FFW = 48, 8, 16, 4, 32
+
+
+def transformer(model_class):
+    """A KerasHub-style decoder block: embedding, attention, gated MLP."""
+    keras = _keras()
+    keras.utils.set_random_seed(4)
+    tokens = keras.Input((SEQ,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, HIDDEN, name="token_embedding")(tokens)
+    h = keras.layers.LayerNormalization(name="pre_attention_norm")(x)
+    attention = keras.layers.MultiHeadAttention(
+        num_heads=HEADS, key_dim=HIDDEN // HEADS, name="attention"
+    )
+    x = x + attention(h, h)
+    h = keras.layers.LayerNormalization(name="pre_ffw_norm")(x)
+    h = keras.layers.Dense(FFW, activation="gelu", name="ffw_gating")(h)
+    x = x + keras.layers.Dense(HIDDEN, name="ffw_linear")(h)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    logits = keras.layers.Dense(VOCAB, name="logits")(x)
+    return model_class(inputs=tokens, outputs=logits, name="block")
+
+
+def transformer_layouts(layout_map):
+    """As KerasHub's `get_layout_map`: weights over both `model` and `data`."""
+    layout_map["token_embedding/embeddings"] = ("model", "data")
+    layout_map["attention/(query|key|value)/kernel"] = ("data", "model", None)
+    layout_map["attention/attention_output/kernel"] = ("model", None, "data")
+    layout_map["ffw_gating/kernel"] = ("data", "model")
+    layout_map["ffw_linear/kernel"] = ("model", "data")
+
+
+# -------------------------------------------------------------------- data
+def data(kind, n):
+    rng = np.random.default_rng(0)
+    if kind == "mlp":
+        return (
+            rng.normal(size=(n, 16)).astype("float32"),
+            rng.normal(size=(n, 8)).astype("float32"),
+        )
+    if kind == "convnet":
+        from keras_parallel import demo
+
+        (x, y), _ = demo.load_digits_28()  # The guide's data: real digits.
+        return x[:n], y[:n]
+    x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")
+    return x, x[:, 0].copy()  # Learnable: the first token.
+
+
+# -------------------------------------------------------------------- runs
+def distribution(kind, mesh_shape, model):
+    keras = _keras()
+    import keras_parallel
+
+    devices = keras_parallel.DataParallel().device_mesh.devices.ravel().tolist()
+    mesh = keras.distribution.DeviceMesh(mesh_shape, list(AXES), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    if kind == "mlp":
+        mlp_layouts(layout_map)
+    elif kind == "convnet":
+        convnet_layouts(layout_map, model)
+    else:
+        transformer_layouts(layout_map)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data"
+    )
+
+
+def build(kind, distributed, batchnorm=False):
+    model_class = _model_class(distributed)
+    if kind == "mlp":
+        return mlp(model_class, batchnorm=batchnorm)
+    if kind == "convnet":
+        return convnet(model_class)
+    return transformer(model_class)
+
+
+def train(
+    kind="mlp",
+    mesh=(2, 2),
+    steps=1,
+    n=64,
+    batchnorm=False,
+    distributed=True,
+    evaluate=False,
+    save_to=None,
+    inspect=False,
+):
+    """Trains one case; returns weights, logs and (distributed) what it held.
+
+    Args:
+        kind: `"mlp"`, `"convnet"` or `"transformer"`.
+        mesh: the `(data, model)` mesh shape.
+        steps: `steps_per_epoch`, or None for one whole epoch.
+        n: the number of samples (1003 at batch 64: a last batch of 43).
+        evaluate: also evaluate on every sample and predict 203 of them.
+        save_to: a folder to `model.save` the trained model to.
+        inspect: also return the bytes this process holds and placements.
+    """
+    keras = _keras()
+    import keras_parallel
+
+    x, y = data(kind, n)
+    model = build(kind, distributed, batchnorm)
+    loss = "mse" if kind == "mlp" else keras.losses.SparseCategoricalCrossentropy(True)
+    kwargs = {}
+    if distributed:
+        kwargs["distribution"] = distribution(kind, mesh, model)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss=loss,
+        **kwargs,
+    )
+    history = model.fit(
+        x, y, batch_size=64, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0
+    )
+    result = {
+        "weights": [np.asarray(w) for w in model.get_weights()],
+        "loss": [float(v) for v in history.history["loss"]],
+        "rank": int(os.environ.get("RANK", "0")),
+    }
+    if evaluate:
+        result["evaluation"] = float(model.evaluate(x, y, batch_size=64, verbose=0))
+        result["predictions"] = np.asarray(
+            model.predict(x[:203], batch_size=64, verbose=0)
+        )
+    if save_to is not None:
+        model.save(os.path.join(save_to, f"{kind}.keras"))
+    if inspect and distributed:
+        result.update(_held(model))
+        result["describe"] = keras_parallel.describe(model)
+    return result
+
+
+def _held(model):
+    """The bytes this process holds, where the split variables live, and the
+    placements of d2's output (constrained by `d2/output`)."""
+    import re
+
+    from keras_parallel.backends.torch import dtensor_layouts
+
+    variables = list(model.variables) + list(model.optimizer.variables)
+    plan = model._kp_binding.plan
+    placements = {}
+    for variable in variables:
+        value = variable._value
+        if dtensor_layouts.is_dtensor(value):
+            path = re.sub(r"^sgd_\d+/", "sgd/", variable.path)
+            placements[path] = (
+                [str(p) for p in value.placements],
+                tuple(value.to_local().shape),
+            )
+    return {
+        "d2_output": _d2_output_placements(model),
+        "held_bytes": sum(dtensor_layouts.local_bytes(v) for v in variables),
+        "plan_bytes": plan.bytes_per_device(),
+        "total_bytes": plan.bytes_total(),
+        "placements": placements,
+    }
+
+
+def _d2_output_placements(model):
+    """d2 called, as in a step, on d1's output split by rows and columns.
+
+    Unconstrained, its output would be a partial sum over `model`
+    (`Partial(sum)`); `d2/output = ("data", None)` makes it `Replicate()`.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    binding = model._kp_binding
+    steps = binding.executor._steps
+    if not hasattr(steps, "mesh"):
+        return None  # A mesh (4, 1) runs on DDP: no DTensors.
+    with binding.running(model):
+        steps._whole = False
+        hidden = torch.ones((4, 32 // steps.mesh.size(1)))
+        split = DTensor.from_local(hidden, steps.mesh, (Shard(0), Shard(1)))
+        return [str(p) for p in model.get_layer("d2")(split).placements]
+
+
+def plan_table(kind, mesh):
+    """The describe() table (variables and outputs) planned in one process."""
+    keras = _keras()
+    from keras_parallel.plan import resolve_plan
+    from keras_parallel.report import format_plan
+
+    x, y = data(kind, 64)
+    model = build(kind, False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    names = [f"cpu:{i}" for i in range(4)]
+    model_mesh = keras.distribution.DeviceMesh(mesh, list(AXES), names)
+    layout_map = keras.distribution.LayoutMap(model_mesh)
+    mlp_layouts(layout_map)
+    planned = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data"
+    )
+    plan = resolve_plan(planned, model, device_names=names)
+    return table_of(format_plan(plan, model.name))
+
+
+def table_of(text):
+    """The rows of a describe() text from its table header on, as cells.
+
+    Keras numbers the optimizers of one process (`sgd_3/...`): the names
+    are made one, and the cells compared, not the padding.
+    """
+    import re
+
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Variable"))
+    return [re.sub(r"\bsgd_\d+/", "sgd/", line).split() for line in lines[start:]]
+
+
+def bad_inputs():
+    """Each bad distribution's error text, or "no error"."""
+    keras = _keras()
+    import keras_parallel
+
+    devices = [f"cpu:{i}" for i in range(8)]
+    split = {"d1/kernel": (None, "model")}
+    cases = {
+        "fewer processes": ((2, 4), devices, split, mlp),
+        "more processes": ((1, 2), devices[:2], split, mlp),
+        "rank": ((2, 2), devices[:4], {"d1/kernel": ("model", None, None)}, mlp),
+        "two keys": (
+            (2, 2),
+            devices[:4],
+            {"d1/ker.*": split["d1/kernel"], "d1/k.*": split["d1/kernel"]},
+            mlp,
+        ),
+        "indivisible": ((1, 4), devices[:4], {"d2/kernel": (None, "model")}, _six_out),
+    }
+    out = {}
+    for name, (shape, names, layouts, builder) in cases.items():
+        mesh = keras.distribution.DeviceMesh(shape, list(AXES), names)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        for key, axes in layouts.items():
+            layout_map[key] = axes
+        model = builder(_model_class(True))
+        try:
+            model.compile(
+                optimizer="sgd",
+                loss="mse",
+                distribution=keras.distribution.ModelParallel(
+                    layout_map=layout_map, batch_dim_name="data"
+                ),
+            )
+            out[name] = "no error"
+        except keras_parallel.ShardingError as error:
+            out[name] = str(error)
+    return out
+
+
+def _six_out(model_class):
+    """d2 has 6 outputs: not divisible by a model axis of 4."""
+    keras = _keras()
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, name="d1")(inputs)
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(6, name="d2")(x))
+
+
+def scenarios(cases, with_errors=False):
+    """Runs `train(**case)` for each case in this process; returns the list."""
+    results = [train(**case) for case in cases]
+    if with_errors:
+        results.append(bad_inputs())
+    return results
