@@ -76,6 +76,11 @@ def main():
             out, _ = process.communicate(timeout=args.timeout)
             outcome = "passed" if process.returncode == 0 else "FAILED"
             summary = out.strip().splitlines()[-1] if out.strip() else ""
+            if outcome == "FAILED":
+                # Kept for reading: which test, and why.
+                with open(f"soak-run{run + 1}.log", "w") as f:
+                    f.write(out)
+                summary += f"; output in soak-run{run + 1}.log"
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)  # The run and all it started.
             process.communicate()
