@@ -50,6 +50,7 @@ def _model():
     return model
 
 
+@pytest.mark.filterwarnings("ignore:Skipping variable loading for optimizer")
 @pytest.mark.parametrize("method", ["save", "save_weights"])
 def test_a_save_killed_half_way_leaves_the_previous_file(tmp_path, monkeypatch, method):
     model = _model()
@@ -75,8 +76,7 @@ def test_a_save_killed_half_way_leaves_the_previous_file(tmp_path, monkeypatch, 
             path, custom_objects={"Net": resume_script.Net}
         )
     else:
-        loaded = resume_script.build()
-        loaded.optimizer.build(loaded.trainable_variables)
+        loaded = resume_script.build()  # Its optimizer unbuilt: not loaded.
         loaded.load_weights(path)
     for a, b in zip(loaded.get_weights(), expected):
         np.testing.assert_array_equal(a, b)
