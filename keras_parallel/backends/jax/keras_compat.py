@@ -6,7 +6,7 @@ Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704
 shardings before keras_parallel lays them out).
 """
 
-from keras_parallel.keras_compat import internal
+from keras_parallel.keras_compat import find, internal
 
 #: `jit` compiles Keras's step; on CPU devices the executor replaces it, in
 #: scope, by one without buffer donation (`executor._jit_without_donation`).
@@ -17,10 +17,16 @@ distribution_lib = internal(
     "keras.src.backend.jax.distribution_lib", "distribute_data_input"
 )
 
-#: Keras's saving converts every variable with `backend.convert_to_numpy`;
-#: across processes, replaced while a model is saved by one that returns
-#: the values every process gathered first (`processes.gathered_for_saving`).
-backend = internal("keras.src.backend", "convert_to_numpy")
+#: Keras's saving converts every variable with this module's
+#: `convert_to_numpy` (`keras.src.backend` up to 3.15, `keras.src.backend.ops`
+#: in 3.16); across processes, replaced while a model is saved by one that
+#: returns the values every process gathered first
+#: (`processes.gathered_for_saving`).
+_backend = internal("keras.src.backend")
+numpy_conversion = (
+    _backend if hasattr(_backend, "convert_to_numpy") else find(_backend, "ops")
+)
+find(numpy_conversion, "convert_to_numpy", "keras.src.backend(.ops)")
 
 #: Attributes of Keras objects the JAX backend reads or sets.
 OBJECT_ATTRIBUTES = {

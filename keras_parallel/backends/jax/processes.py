@@ -127,7 +127,7 @@ def gathered_for_saving(variables):
             value.is_fully_addressable or value.is_fully_replicated
         ):
             gathered[id(variable)] = fetch(value)
-    keras_backend = keras_compat.backend
+    keras_backend = keras_compat.numpy_conversion
     convert = keras_backend.convert_to_numpy
 
     def convert_gathered(x):
