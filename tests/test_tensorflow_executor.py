@@ -96,7 +96,9 @@ def test_model_parallel_is_refused_naming_the_backends_that_have_it():
     ) as info:
         _compile(model, distribution)
     assert "Received: distribution=ModelParallel" in str(info.value)
-    with pytest.raises(NotImplementedError, match="available on the JAX and torch backends"):
+    with pytest.raises(
+        NotImplementedError, match="available on the JAX and torch backends"
+    ):
         keras_parallel.ShardingCallback(distribution)
     # Nothing was applied: the model still trains on one device.
     assert model.distribution is None
