@@ -24,6 +24,17 @@ def checkout_env(**variables):
     return dict(os.environ, PYTHONPATH=path, **variables)
 
 
+def jax_launch_command(script, *args, options=()):
+    """`keras-parallel launch` of `script` on 2 JAX processes x 4 devices."""
+    import sys
+
+    launch = [sys.executable, "-m", "keras_parallel.cli", "launch"]
+    launch += ["--backend", "jax", "--nproc-per-node", "2"]
+    launch += ["--devices-per-process", "4", *options]
+    here = os.path.dirname(os.path.abspath(__file__))
+    return launch + [os.path.join(here, script), *map(str, args)]
+
+
 def run_in_session(command, env, timeout):
     """Runs `command` to its end; on `timeout`, kills its whole session.
 

@@ -10,7 +10,6 @@ killed whole if it runs over; no process may be left.
 
 import json
 import os
-import sys
 import time
 
 import keras
@@ -21,7 +20,12 @@ pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX processes (tox -e jax)"
 )
 
-from subprocesses import checkout_env, run_in_session, running  # noqa: E402
+from subprocesses import (  # noqa: E402
+    checkout_env,
+    jax_launch_command,
+    run_in_session,
+    running,
+)  # noqa: E402
 
 if keras.backend.backend() == "jax":
     import jax_processes_script as script
@@ -38,22 +42,7 @@ TIMEOUT_S = 240
 
 
 def launch(out, case, *options):
-    command = [
-        sys.executable,
-        "-m",
-        "keras_parallel.cli",
-        "launch",
-        "--backend",
-        "jax",
-        "--nproc-per-node",
-        "2",
-        "--devices-per-process",
-        "4",
-        *options,
-        os.path.join(HERE, "jax_processes_script.py"),
-        str(out),
-        case,
-    ]
+    command = jax_launch_command("jax_processes_script.py", out, case, options=options)
     return run_in_session(command, checkout_env(KERAS_BACKEND="jax"), TIMEOUT_S)
 
 

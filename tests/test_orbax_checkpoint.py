@@ -288,23 +288,9 @@ def test_missing_checkpoint_is_refused(saved, tmp_path):
 def test_each_process_writes_and_reads_its_own_shards(tmp_path):
     # 2 processes x 4 devices: saved on (1, 8), every kernel split over
     # devices of both processes; restored on (2, 4).
-    from subprocesses import run_in_session
+    from subprocesses import jax_launch_command, run_in_session
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    command = [
-        sys.executable,
-        "-m",
-        "keras_parallel.cli",
-        "launch",
-        "--backend",
-        "jax",
-        "--nproc-per-node",
-        "2",
-        "--devices-per-process",
-        "4",
-        os.path.join(here, "orbax_processes_script.py"),
-        str(tmp_path),
-    ]
+    command = jax_launch_command("orbax_processes_script.py", tmp_path)
     result = run_in_session(command, checkout_env(KERAS_BACKEND="jax"), 240)
     assert result.returncode == 0, result.stderr[-3000:]
     step_dir = tmp_path / "ckpt" / str(STEPS)
