@@ -30,7 +30,6 @@ from subprocesses import (  # noqa: E402
 if keras.backend.backend() == "jax":
     import jax_processes_script as script
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 EQUIVALENCE_CASES = (
     "data_parallel_one_step",
     "data_parallel_epoch",
