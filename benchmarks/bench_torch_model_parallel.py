@@ -10,8 +10,10 @@ by rows, as Megatron does): each process holds a quarter.
 For each, rank 0 prints the seconds per step (median of `--steps` timed
 steps after one warm-up step) and the memory per process: the peak resident
 set during the timed steps (`VmHWM`, reset after the warm-up), less the
-process's resident set before the model was built (torch, Keras and the
-data). Target: ModelParallel's at most 0.30 of DDP's. No speed target on
+process's resident set before the model was built, after a tiny model was
+trained under the same kind of distribution (torch, Keras, the TensorFlow
+its data adapters import, the process group: what every process holds
+whatever the model). Target: ModelParallel's at most 0.30 of DDP's. No speed target on
 CPU: the split model all-reduces activations in every layer over gloo.
 
 Usage:
@@ -29,6 +31,7 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 WIDTHS = (2048, 8192, 8192, 2048)
+KINDS = ("ddp", "model_parallel")
 
 
 def _rss_kib(field):
@@ -59,24 +62,57 @@ def _build(distributed, kind):
     x = keras.layers.Dense(WIDTHS[2], activation="relu", name="d2")(x)
     outputs = keras.layers.Dense(WIDTHS[3], name="d3")(x)
     model = Net(inputs=inputs, outputs=outputs, name="mlp100m")
-    if kind == "ddp":
-        distribution = keras_parallel.DataParallel()
-    else:
-        devices = keras_parallel.DataParallel().device_mesh.devices.ravel().tolist()
-        mesh = keras.distribution.DeviceMesh((1, 4), ["data", "model"], devices)
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map["d1/kernel"] = (None, "model")
-        layout_map["d1/bias"] = ("model",)
-        layout_map["d2/kernel"] = ("model", None)
-        layout_map["d3/kernel"] = (None, "model")
-        layout_map["d3/bias"] = ("model",)
-        distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="data"
-        )
+    layouts = {
+        "d1/kernel": (None, "model"),
+        "d1/bias": ("model",),
+        "d2/kernel": ("model", None),
+        "d3/kernel": (None, "model"),
+        "d3/bias": ("model",),
+    }
     model.compile(
-        optimizer=keras.optimizers.SGD(1e-3), loss="mse", distribution=distribution
+        optimizer=keras.optimizers.SGD(1e-3),
+        loss="mse",
+        distribution=_distribution(kind, layouts),
     )
     return model
+
+
+def _distribution(kind, layouts):
+    """DataParallel for `"ddp"`, else ModelParallel on `(1, 4)` by `layouts`."""
+    import keras
+
+    import keras_parallel
+
+    if kind == "ddp":
+        return keras_parallel.DataParallel()
+    devices = keras_parallel.DataParallel().device_mesh.devices.ravel().tolist()
+    mesh = keras.distribution.DeviceMesh((1, 4), ["data", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in layouts.items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data"
+    )
+
+
+def _tiny_fit(kind, x, y):
+    import gc
+
+    import keras
+
+    import keras_parallel
+
+    class Tiny(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    inputs = keras.Input((WIDTHS[0],))
+    outputs = keras.layers.Dense(WIDTHS[-1], name="d3")(inputs)
+    model = Tiny(inputs=inputs, outputs=outputs)
+    distribution = _distribution(kind, {"d3/kernel": (None, "model")})
+    model.compile(optimizer="sgd", loss="mse", distribution=distribution)
+    model.fit(x[:32], y[:32], batch_size=32, verbose=0)
+    del model
+    gc.collect()
 
 
 def worker(kind, steps, batch):
@@ -85,6 +121,10 @@ def worker(kind, steps, batch):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch * (steps + 1), WIDTHS[0])).astype("float32")
     y = rng.normal(size=(batch * (steps + 1), WIDTHS[-1])).astype("float32")
+    # What every process holds whatever the model: torch, Keras, the
+    # TensorFlow that Keras's data adapters import, the process group and
+    # DDP's or DTensor's own state, all made by a tiny model trained first.
+    _tiny_fit(kind, x, y)
     before = _rss_kib("VmRSS")
     model = _build(True, kind)
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
@@ -114,7 +154,7 @@ def main(argv=None):
     from keras_parallel.launcher.processes import launch
 
     results = {}
-    for kind in ("ddp", "model_parallel"):
+    for kind in KINDS:
         ranks = launch(worker, 4, args=(kind, args.steps, args.batch), timeout=1800)
         results[kind] = ranks
         worst = max(r["model_mib"] for r in ranks)

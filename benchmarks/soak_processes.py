@@ -21,13 +21,18 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = {
-    "jax": ["tests/test_jax_processes.py", "tests/test_faults.py"],
+    "jax": [
+        "tests/test_jax_processes.py",
+        "tests/test_faults.py",
+        "tests/test_orbax_checkpoint.py",
+    ],
     "torch": [
         "tests/test_launcher.py",
         "tests/test_faults.py",
         "tests/test_torch_executor.py",
+        "tests/test_torch_model_parallel.py",
     ],
-    "tensorflow": ["tests/test_tensorflow_processes.py"],
+    "tensorflow": ["tests/test_tensorflow_processes.py", "tests/test_faults.py"],
 }
 #: Set in each run's environment: every process the run starts inherits it,
 #: so what is left after the run is found by it, whatever its name.

@@ -60,9 +60,10 @@ def four_ranks(saved_dir):
     cases = [
         dict(CASES[k], save_to=saved_dir) if k == SAVED else CASES[k] for k in names
     ]
-    results = _launch(workers.scenarios, 4, args=(cases, True))
+    results = _launch(workers.scenarios, 4, args=(cases, True, saved_dir))
     out = {name: [rank[i] for rank in results] for i, name in enumerate(names)}
-    out["bad_inputs"] = results[0][-1]
+    out["bad_inputs"] = results[0][len(names)]
+    out["checkpoints"] = [rank[len(names) + 1] for rank in results]
     return out
 
 
@@ -214,6 +215,47 @@ def test_saved_sharded_model_loads_on_one_device(four_ranks, saved_dir):
     )
     # The momentum slots were saved whole too.
     assert loaded.optimizer.iterations.numpy() == 16
+
+
+def test_backup_resumes_model_parallel_exactly(four_ranks):
+    for runs in four_ranks["checkpoints"]:
+        assert runs["interrupted"] is None  # It stopped in its second epoch.
+        assert max_rel(runs["resumed"], runs["uninterrupted"]) < 1e-6
+    initial = [np.asarray(w) for w in workers.build("mlp", False).get_weights()]
+    assert max_rel(runs["uninterrupted"], initial) > 1e-2
+
+
+@pytest.mark.parametrize("run", ["uninterrupted", "resumed"])
+def test_model_checkpoint_of_model_parallel_loads_on_one_device(
+    four_ranks, saved_dir, run
+):
+    path = os.path.join(saved_dir, run, "checkpoint.keras")
+    loaded = keras.saving.load_model(path)  # Plain Keras, one process.
+    assert type(loaded).__name__ == "Functional"
+    # The last epoch's checkpoint holds the weights the run ended with.
+    final = four_ranks["checkpoints"][0][run]
+    for a, b in zip(loaded.get_weights(), final):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_layer_outputs_without_a_key_finish_sums_and_split_the_batch_on_its_axis():
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from keras_parallel.backends.torch.mesh_steps import OutputConstraints
+
+    def placed(placements, batch_dim=0, whole=False):
+        steps = SimpleNamespace(batch_dim=batch_dim, _whole=whole)
+        leaf = SimpleNamespace(placements=placements)
+        return OutputConstraints(steps)._default_placements(leaf)
+
+    # Mesh ("data", "model"), batch along "data".
+    assert placed((Shard(0), Partial())) == (Shard(0), Replicate())
+    assert placed((Replicate(), Shard(0))) == (Replicate(), Replicate())
+    assert placed((Shard(0), Shard(1))) == (Shard(0), Shard(1))
+    # A batch computed whole is split nowhere.
+    assert placed((Shard(0), Shard(2)), whole=True) == (Replicate(), Shard(2))
 
 
 def test_bad_inputs_fail_with_the_plans_words(four_ranks):

@@ -339,9 +339,69 @@ def _six_out(model_class):
     return model_class(inputs=inputs, outputs=keras.layers.Dense(6, name="d2")(x))
 
 
-def scenarios(cases, with_errors=False):
-    """Runs `train(**case)` for each case in this process; returns the list."""
+class _Interrupted(Exception):
+    pass
+
+
+def _fit_with_backup(mesh, folder, interrupt):
+    """Three shuffled epochs of the MLP with `BackupAndRestore` (a backup
+    every epoch) and `ModelCheckpoint` in `folder`; with `interrupt`, every
+    rank raises at the fifth batch of the second epoch. Returns the final
+    weights, or None when interrupted."""
+    keras = _keras()
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 1 and batch == 4:
+                raise _Interrupted()
+
+    x, y = data("mlp", 640)
+    model = build("mlp", True)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss="mse",
+        distribution=distribution("mlp", mesh, model),
+    )
+    callbacks = [
+        keras.callbacks.BackupAndRestore(os.path.join(folder, "backup")),
+        keras.callbacks.ModelCheckpoint(os.path.join(folder, "checkpoint.keras")),
+    ]
+    if interrupt:
+        callbacks.append(Interrupt())
+    try:
+        model.fit(
+            x, y, batch_size=64, epochs=3, shuffle=True, verbose=0, callbacks=callbacks
+        )
+    except _Interrupted:
+        return None
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def checkpoint_runs(folder, mesh=(2, 2)):
+    """An uninterrupted run, and one interrupted then run again (resumed).
+
+    Returns:
+        `{"uninterrupted": weights, "interrupted": None, "resumed":
+        weights}`; the files are in `folder/{uninterrupted,resumed}`.
+    """
+    whole = os.path.join(folder, "uninterrupted")
+    resumed = os.path.join(folder, "resumed")
+    return {
+        "uninterrupted": _fit_with_backup(mesh, whole, interrupt=False),
+        "interrupted": _fit_with_backup(mesh, resumed, interrupt=True),
+        "resumed": _fit_with_backup(mesh, resumed, interrupt=False),
+    }
+
+
+def scenarios(cases, with_errors=False, checkpoint_dir=None):
+    """Runs `train(**case)` for each case in this process; returns the list
+    (then the `bad_inputs()` texts, then the `checkpoint_runs`)."""
     results = [train(**case) for case in cases]
     if with_errors:
         results.append(bad_inputs())
+    if checkpoint_dir is not None:
+        results.append(checkpoint_runs(checkpoint_dir))
     return results

@@ -217,15 +217,36 @@ def gathered(variables):
             variable._layout = layout
 
 
+_promotion_depth = 0
+
+
+@contextlib.contextmanager
 def promotion():
     """Plain tensors meeting DTensors in one op are treated as replicated.
 
     A Keras op may mix a DTensor with a plain tensor it made itself (a
     constant, a dropout mask drawn in the layer's global shape, the
-    optimizer's learning rate); torch refuses such a mix unless told the
-    plain tensor is the same on every rank, which here it is.
+    optimizer's learning rate, a weight `load_weights` assigns); torch
+    refuses such a mix unless told the plain tensor is the same on every
+    rank, which here it is.
 
-    Returns:
-        torch's `implicit_replication()` context manager.
+    Re-entrant: torch's `implicit_replication()` switches a global flag off
+    when it exits, even inside another one; only the outermost of ours
+    enters it. (Seen: `BackupAndRestore` built the optimizer inside `fit`,
+    which placed its slots under a nested scope; the restore that followed
+    failed with "got mixed torch.Tensor and DTensor".)
     """
-    return implicit_replication()
+    global _promotion_depth
+    if _promotion_depth:
+        _promotion_depth += 1
+        try:
+            yield
+        finally:
+            _promotion_depth -= 1
+        return
+    with implicit_replication():
+        _promotion_depth = 1
+        try:
+            yield
+        finally:
+            _promotion_depth = 0
