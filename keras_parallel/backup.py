@@ -24,7 +24,11 @@ silences writers), with the same files and meaning plus:
   backend's, see `Executor.host_random_state`) and the model's seed
   generators as they were when the epoch it resumes at began; loading the
   backup puts them back, so the resumed epochs draw what the uninterrupted
-  run drew.
+  run drew;
+- keras-nightly's data adapters shuffle by the number of epochs they have
+  run in this `fit`, not by the random state: at the first epoch of a run
+  resumed at epoch k, the training data adapter's count is moved on by k,
+  so it shuffles as epoch k of the uninterrupted run.
 
 Keras restarts an epoch from its first batch: with an integer `save_freq`
 the weights saved mid-epoch then see that epoch's first batches again
@@ -34,11 +38,13 @@ the weights saved mid-epoch then see that epoch's first batches again
 import base64
 import json
 import os
+import weakref
 
 import numpy as np
 from keras import callbacks
 
 from keras_parallel import atomic
+from keras_parallel.keras_compat import EpochIterator
 
 #: The key of keras_parallel's part of `training_metadata.json`.
 METADATA_KEY = "keras_parallel"
@@ -62,22 +68,28 @@ class ExactBackups:
         self._saved = []
 
     def install(self):
-        cls = callbacks.BackupAndRestore
         executor = self.executor
+        keras_init = EpochIterator.__init__
+
+        def remembered_init(iterator, *args, **kwargs):
+            keras_init(iterator, *args, **kwargs)
+            _latest_iterator[0] = weakref.ref(iterator)
+
         patches = {
-            "_save_model": lambda cb: _save(cb, executor),
-            "_load_model": lambda cb: _load(cb, executor),
-            "on_epoch_begin": lambda cb, epoch, logs=None: _epoch_begins(
-                cb, epoch, executor
-            ),
+            (callbacks.BackupAndRestore, "_save_model"): lambda cb: _save(cb, executor),
+            (callbacks.BackupAndRestore, "_load_model"): lambda cb: _load(cb, executor),
+            (
+                callbacks.BackupAndRestore,
+                "on_epoch_begin",
+            ): lambda cb, epoch, logs=None: _epoch_begins(cb, epoch, executor),
+            (EpochIterator, "__init__"): remembered_init,
         }
-        for name, function in patches.items():
-            self._saved.append((name, cls.__dict__.get(name)))
+        for (cls, name), function in patches.items():
+            self._saved.append((cls, name, cls.__dict__.get(name)))
             setattr(cls, name, function)
 
     def uninstall(self):
-        cls = callbacks.BackupAndRestore
-        for name, value in reversed(self._saved):
+        for cls, name, value in reversed(self._saved):
             if value is None:
                 delattr(cls, name)
             else:
@@ -85,11 +97,26 @@ class ExactBackups:
         self._saved = []
 
 
+#: The `EpochIterator` made last (a weak reference): `fit` makes its
+#: training iterator before `on_train_begin`, where a backup is loaded, and
+#: its validation iterator after.
+_latest_iterator = [None]
+
+
 def _epoch_begins(callback, epoch, executor):
     # The state a resumed run must start this epoch from, for saves made
     # before it ends.
     callback._kp_epoch = epoch
     callback._kp_epoch_state = _random_state(callback.model, executor)
+    reference = getattr(callback, "_kp_training_iterator", None)
+    adapter = getattr(reference and reference(), "data_adapter", None)
+    if isinstance(getattr(adapter, "_epoch", None), int) and (
+        getattr(callback, "_kp_counted_adapter", None) != id(adapter)
+    ):
+        # keras-nightly shuffles by the adapter's count of the epochs this
+        # `fit` ran: a run resumed at epoch k counts as if it had run k.
+        callback._kp_counted_adapter = id(adapter)
+        adapter._epoch += epoch
 
 
 def _save(callback, executor):
@@ -138,6 +165,7 @@ def _load(callback, executor):
             f"before you call `fit()`. Received: model {model.name!r}, unbuilt; "
             "build it first (call it on a batch of data, or `model.build`)."
         )
+    callback._kp_training_iterator = _latest_iterator[0]
     path = callback._training_metadata_path
     metadata = _read_metadata(path)
     if metadata is None:

@@ -142,6 +142,14 @@ saving_lib = internal("keras.src.saving.saving_lib", "get_attr_skipset")
 #: as one, so that plain Keras can load it (`saving.py`).
 Functional = internal("keras.src.models.functional", "Functional").Functional
 
+#: Keras's epoch iterator (every backend's subclasses it): its data adapter
+#: (keras-nightly, 3.16) shuffles arrays by the number of epochs it has run
+#: in this `fit` (`_epoch`), which a resumed run sets to the epoch it
+#: resumes at (`backup.py`).
+EpochIterator = internal(
+    "keras.src.trainers.epoch_iterator", "EpochIterator"
+).EpochIterator
+
 #: Attributes of Keras objects that keras_parallel reads or sets, by owner.
 OBJECT_ATTRIBUTES = {
     # Model._flatten_layers walks nested layers (TF executor, sync BN).
