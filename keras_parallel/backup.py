@@ -110,12 +110,13 @@ def _epoch_begins(callback, epoch, executor):
     callback._kp_epoch_state = _random_state(callback.model, executor)
     reference = getattr(callback, "_kp_training_iterator", None)
     adapter = getattr(reference and reference(), "data_adapter", None)
+    counted = getattr(callback, "_kp_counted_adapter", None)
     if isinstance(getattr(adapter, "_epoch", None), int) and (
-        getattr(callback, "_kp_counted_adapter", None) != id(adapter)
+        counted is None or counted() is not adapter
     ):
         # keras-nightly shuffles by the adapter's count of the epochs this
         # `fit` ran: a run resumed at epoch k counts as if it had run k.
-        callback._kp_counted_adapter = id(adapter)
+        callback._kp_counted_adapter = weakref.ref(adapter)
         adapter._epoch += epoch
 
 
