@@ -243,7 +243,7 @@ def test_layer_outputs_without_a_key_finish_sums_and_split_the_batch_on_its_axis
 
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from keras_parallel.backends.torch.mesh_steps import OutputConstraints
+    from keras_parallel.backends.torch.output_constraints import OutputConstraints
 
     def placed(placements, batch_dim=0, whole=False):
         steps = SimpleNamespace(batch_dim=batch_dim, _whole=whole)

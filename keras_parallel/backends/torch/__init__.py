@@ -9,5 +9,6 @@
 - `model_parallel`: ModelParallel's hooks (`MeshRunner`), DTensor variables.
 - `dtensor_layouts`: the torch mesh, placements, placing and gathering.
 - `mesh_steps`: the steps under ModelParallel (DTensor forward, gradients).
+- `output_constraints`: where layer outputs are laid out under ModelParallel.
 - `keras_compat`: every Keras internal this backend reads or patches.
 """

@@ -44,7 +44,8 @@ if keras_dtensor is not None and not all(
     keras_dtensor = None  # Some other torch distribution_lib: use torch's API.
 
 #: Maps a variable to another value while a layer runs (ModelParallel: an
-#: `Embedding` looks rows up in its table gathered along them, `mesh_steps`).
+#: `Embedding` looks rows up in its table gathered along them,
+#: `output_constraints`).
 StatelessScope = internal(
     "keras.src.backend.common.stateless_scope", "StatelessScope"
 ).StatelessScope

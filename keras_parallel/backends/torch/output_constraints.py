@@ -1,0 +1,184 @@
+"""Layer outputs under `ModelParallel` on torch: where each is laid out.
+
+While `MeshSteps` are installed, every layer's `call` is wrapped so that
+its DTensor outputs take the placements the plan gives them: a
+`<layer>/output` key's, or by default partial sums finished and the batch
+split along the batch axis only. Two Keras layers get a fix of their own
+here (torch 2.13): `Embedding` with a table split along its rows, and
+`MultiHeadAttention` (see `OutputConstraints`).
+"""
+
+from torch.distributed.tensor import DTensor, Replicate
+
+from keras_parallel.backends.torch import dtensor_layouts
+from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.errors import ShardingError
+
+
+class OutputConstraints:
+    """Redistributes the outputs of the layers `<layer>/output` keys name.
+
+    While installed, every layer's `call` is wrapped (an instance
+    attribute) so that its DTensor outputs take the planned placements. In a
+    step whose batch is computed whole, the batch axis is dropped from the
+    constraint: the batch is not split there. A layer without a key gets
+    `_default_placements`: partial sums finished, the batch split along the
+    batch axis only.
+
+    Every `Embedding` whose table is split along its rows (the vocabulary)
+    looks its rows up in the table gathered along them, for the call only
+    (the gradient is reduce-scattered back to the shards): torch (2.13)
+    gives such a lookup a `MaskPartial` output, which it cannot carry
+    through later ops (a reshape in `EinsumDense`, a residual `Add`, a batch
+    it split itself: an `AssertionError` or an `IndexError` on the mask's
+    shape).
+
+    Every `MultiHeadAttention` computes its attention on query, key and
+    value laid out alike, split along the batch and the heads only (other
+    splits and partial sums made whole first): keras-nightly's torch
+    `dot_product_attention` computes on each process's local parts and
+    reuses the query's placements for the output, which is wrong for a key
+    or value laid out otherwise (seen: wrong predictions for batches of 11
+    and 12 rows, right ones for 64).
+
+    Args:
+        steps: the `MeshSteps` (mesh, plan, whether the batch is whole).
+    """
+
+    def __init__(self, steps):
+        self.steps = steps
+        self._saved = []
+        self._attention = []
+
+    def _layers(self):
+        """Every layer, with its `OutputLayout` or `None` (no key)."""
+        wanted = {o.path: o for o in self.steps.plan.outputs}
+        model = self.steps.model
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            path = (getattr(layer, "path", None) or layer.name) + "/output"
+            yield layer, wanted.pop(path, None)
+
+    def install(self):
+        from keras import layers
+
+        for layer, output in self._layers():
+            self._saved.append((layer, layer.__dict__.get("call")))
+            call = layer.call
+            if isinstance(layer, layers.Embedding):
+                call = _gathered_lookup(call, layer, self.steps.mesh)
+            object.__setattr__(layer, "call", self._constrained(call, output))
+        model = self.steps.model
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            if isinstance(layer, layers.MultiHeadAttention):
+                self._attention.append(
+                    (layer, layer.__dict__.get("_compute_attention"))
+                )
+                object.__setattr__(
+                    layer,
+                    "_compute_attention",
+                    _aligned_attention(layer._compute_attention, self.steps.mesh),
+                )
+
+    def uninstall(self):
+        for name, saved in (
+            ("call", self._saved),
+            ("_compute_attention", self._attention),
+        ):
+            for layer, value in reversed(saved):
+                if value is None:
+                    layer.__dict__.pop(name, None)
+                else:
+                    object.__setattr__(layer, name, value)
+        self._saved = []
+        self._attention = []
+
+    def _placements(self, leaf, output):
+        steps = self.steps
+        if output is None:
+            return self._default_placements(leaf)
+        if leaf.ndim != len(output.axes):
+            raise ShardingError(
+                f"The layout of output key {output.key!r} has rank "
+                f"{len(output.axes)}, but the output of {output.path!r} has "
+                f"rank {leaf.ndim}. Received: axes={output.axes}, output "
+                f"shape={tuple(leaf.shape)}; give one axis (or None) per "
+                "output dimension."
+            )
+        axes = output.axes
+        if steps._whole:
+            axes = tuple(None if a == steps.plan.batch_axis else a for a in axes)
+        return dtensor_layouts.placements(axes, steps.mesh.mesh_dim_names)
+
+    def _default_placements(self, leaf):
+        """A layer output without a key: sums finished, batch on its axis.
+
+        Left to itself, DTensor may finish a row-split layer's partial sums
+        by a reduce-scatter along the batch (cheaper than an all-reduce) and
+        leave the batch split over the model axis; the next column-split
+        layer then gathers its whole kernel and computes whole gradients
+        (seen: a 256 MB gradient of a 64 MB shard, each step). At a layer's
+        output, as under JAX's plan, partial sums are all-reduced and the
+        batch (dimension 0) is split along the batch axis only.
+        """
+        steps = self.steps
+        return tuple(
+            Replicate()
+            if p.is_partial()
+            or (p.is_shard(0) and (i != steps.batch_dim or steps._whole))
+            else p
+            for i, p in enumerate(leaf.placements)
+        )
+
+    def _constrained(self, call, output):
+        def constrain(leaf):
+            if not isinstance(leaf, DTensor):
+                return leaf
+            wanted = self._placements(leaf, output)
+            if tuple(leaf.placements) == wanted:
+                return leaf
+            return leaf.redistribute(self.steps.mesh, wanted)
+
+        def constrained_call(*args, **kwargs):
+            return tree.map_structure(constrain, call(*args, **kwargs))
+
+        return constrained_call
+
+
+def _gathered_lookup(call, layer, mesh):
+    """`layer.call` on its table gathered along the rows (class docstring)."""
+    from keras_parallel.backends.torch.keras_compat import StatelessScope
+
+    def lookup(*args, **kwargs):
+        variable = layer.embeddings
+        table = variable.value
+        if not isinstance(table, DTensor) or not any(
+            p.is_shard(0) for p in table.placements
+        ):
+            return call(*args, **kwargs)
+        whole_rows = tuple(
+            Replicate() if p.is_shard(0) else p for p in table.placements
+        )
+        table = table.redistribute(mesh, whole_rows)
+        with StatelessScope(state_mapping=[(variable, table)]):
+            return call(*args, **kwargs)
+
+    return lookup
+
+
+def _aligned_attention(compute, mesh):
+    """`_compute_attention` on q, k, v split alike (class docstring)."""
+
+    def aligned(query, key, value, *args, **kwargs):
+        if isinstance(query, DTensor):
+            # [batch, positions, heads, head size]: batch and heads only.
+            wanted = tuple(
+                p if p.is_shard(0) or p.is_shard(2) else Replicate()
+                for p in query.placements
+            )
+            query, key, value = (
+                t.redistribute(mesh, wanted) if isinstance(t, DTensor) else t
+                for t in (query, key, value)
+            )
+        return compute(query, key, value, *args, **kwargs)
+
+    return aligned
