@@ -34,6 +34,10 @@ for _mesh in MESHES:
         kind="mlp", mesh=_mesh, steps=None, n=1003, evaluate=True
     )
     CASES[f"convnet_one_step_{_m}"] = dict(kind="convnet", mesh=_mesh, steps=1)
+# Megatron-LM's splits, the benchmark's MLP (benchmarks/bench_torch_model_parallel.py).
+CASES["megatron_one_step_1x4"] = dict(
+    kind="megatron", mesh=(1, 4), steps=1, inspect=True
+)
 CASES["transformer_ten_steps_2x2"] = dict(
     kind="transformer", mesh=(2, 2), steps=10, n=640, evaluate=True
 )
@@ -164,6 +168,24 @@ def test_each_process_holds_its_shard_as_describe_says(four_ranks, mesh):
         assert placements["sgd/d1_kernel_momentum"] == placements["d1/kernel"]
         assert placements["sgd/d2_kernel_momentum"] == placements["d2/kernel"]
         assert f"{result['held_bytes'] / 1024:.1f} KiB of" in result["describe"]
+
+
+@pytest.mark.parametrize("name", ["megatron_one_step_1x4", "mlp_one_step_2x2"])
+def test_split_variables_gradients_are_computed_as_their_shards(four_ranks, name):
+    # Megatron's d2 (rows split) follows d1 (columns split). Left to DTensor,
+    # the matmul's partial sums are finished by a reduce-scatter along the
+    # batch; the gradients then come back split along the batch, and d1's
+    # are computed whole on every process and cut to the shard afterwards:
+    # a whole gradient's memory each step (`FinishedSums`).
+    model_size = CASES[name]["mesh"][1]
+    for result in four_ranks[name]:
+        arriving = result["arriving_gradients"]
+        assert arriving, "no gradient of a split variable was recorded"
+        for global_shape, computed in arriving:
+            assert np.prod(computed) * model_size == np.prod(global_shape), (
+                global_shape,
+                computed,
+            )
 
 
 def test_describe_prints_the_plan_table_one_process_plans(four_ranks):

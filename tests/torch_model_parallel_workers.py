@@ -8,6 +8,7 @@ same initial weights on the same global batches. Results are plain NumPy /
 Python values.
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -49,6 +50,26 @@ def mlp_layouts(layout_map):
     layout_map["d1/bias"] = ("model",)
     layout_map["d2/kernel"] = ("model", None)
     layout_map["d2/output"] = ("data", None)
+
+
+def megatron(model_class):
+    """The benchmark's MLP, small: d1 (16 -> 64), d2 (64 -> 64), d3 (64 -> 16)."""
+    keras = _keras()
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(64, activation="relu", name="d1")(inputs)
+    x = keras.layers.Dense(64, activation="relu", name="d2")(x)
+    outputs = keras.layers.Dense(16, name="d3")(x)
+    return model_class(inputs=inputs, outputs=outputs, name="megatron")
+
+
+def megatron_layouts(layout_map):
+    """Split as Megatron-LM does: columns, rows, columns; no output key."""
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    layout_map["d2/kernel"] = ("model", None)
+    layout_map["d3/kernel"] = (None, "model")
+    layout_map["d3/bias"] = ("model",)
 
 
 def convnet(model_class):
@@ -111,10 +132,10 @@ def transformer_layouts(layout_map):
 # -------------------------------------------------------------------- data
 def data(kind, n):
     rng = np.random.default_rng(0)
-    if kind == "mlp":
+    if kind in ("mlp", "megatron"):
         return (
             rng.normal(size=(n, 16)).astype("float32"),
-            rng.normal(size=(n, 8)).astype("float32"),
+            rng.normal(size=(n, 8 if kind == "mlp" else 16)).astype("float32"),
         )
     if kind == "convnet":
         from keras_parallel import demo
@@ -135,6 +156,8 @@ def distribution(kind, mesh_shape, model):
     layout_map = keras.distribution.LayoutMap(mesh)
     if kind == "mlp":
         mlp_layouts(layout_map)
+    elif kind == "megatron":
+        megatron_layouts(layout_map)
     elif kind == "convnet":
         convnet_layouts(layout_map, model)
     else:
@@ -148,6 +171,8 @@ def build(kind, distributed, batchnorm=False):
     model_class = _model_class(distributed)
     if kind == "mlp":
         return mlp(model_class, batchnorm=batchnorm)
+    if kind == "megatron":
+        return megatron(model_class)
     if kind == "convnet":
         return convnet(model_class)
     return transformer(model_class)
@@ -167,7 +192,7 @@ def train(
     """Trains one case; returns weights, logs and (distributed) what it held.
 
     Args:
-        kind: `"mlp"`, `"convnet"` or `"transformer"`.
+        kind: `"mlp"`, `"megatron"`, `"convnet"` or `"transformer"`.
         mesh: the `(data, model)` mesh shape.
         steps: `steps_per_epoch`, or None for one whole epoch.
         n: the number of samples (1003 at batch 64: a last batch of 43).
@@ -180,18 +205,28 @@ def train(
 
     x, y = data(kind, n)
     model = build(kind, distributed, batchnorm)
-    loss = "mse" if kind == "mlp" else keras.losses.SparseCategoricalCrossentropy(True)
+    mse = kind in ("mlp", "megatron")
+    loss = "mse" if mse else keras.losses.SparseCategoricalCrossentropy(True)
     kwargs = {}
     if distributed:
         kwargs["distribution"] = distribution(kind, mesh, model)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-        loss=loss,
-        **kwargs,
-    )
-    history = model.fit(
-        x, y, batch_size=64, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0
-    )
+    # The variables are placed (their gradient hooks registered) by
+    # `compile`, or by `fit` where a plan places them again.
+    with _arriving_gradients(inspect and distributed) as arriving:
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss=loss,
+            **kwargs,
+        )
+        history = model.fit(
+            x,
+            y,
+            batch_size=64,
+            epochs=1,
+            steps_per_epoch=steps,
+            shuffle=False,
+            verbose=0,
+        )
     result = {
         "weights": [np.asarray(w) for w in model.get_weights()],
         "loss": [float(v) for v in history.history["loss"]],
@@ -205,9 +240,37 @@ def train(
     if save_to is not None:
         model.save(os.path.join(save_to, f"{kind}.keras"))
     if inspect and distributed:
+        result["arriving_gradients"] = arriving
+    if inspect and distributed and kind == "mlp":
         result.update(_held(model))
         result["describe"] = keras_parallel.describe(model)
     return result
+
+
+@contextlib.contextmanager
+def _arriving_gradients(record):
+    """Records each split variable's gradient as the backward pass made it:
+    `(global shape, the shape this process computed)`, before it is
+    redistributed to the variable's placements. Patched before `compile`,
+    which registers the hook on each placed variable."""
+    arriving = []
+    if not record:
+        yield arriving
+        return
+    from keras_parallel.backends.torch import dtensor_layouts
+
+    original = dtensor_layouts.placed_gradient
+
+    def recording(grad, mesh, placements):
+        if dtensor_layouts.is_dtensor(grad) and any(p.is_shard() for p in placements):
+            arriving.append((tuple(grad.shape), tuple(grad.to_local().shape)))
+        return original(grad, mesh, placements)
+
+    dtensor_layouts.placed_gradient = recording
+    try:
+        yield arriving
+    finally:
+        dtensor_layouts.placed_gradient = original
 
 
 def _held(model):

@@ -24,6 +24,7 @@ replicated where they do.
 """
 
 import contextlib
+import functools
 
 import numpy as np
 import torch
@@ -142,13 +143,20 @@ def place(variable, axes, keras_mesh, mesh):
         # then keeps only its shard of it, not a whole gradient that torch
         # may compute for a split variable.
         parameter.register_hook(
-            lambda grad, p=wanted: (
-                grad
-                if not is_dtensor(grad) or tuple(grad.placements) == p
-                else grad.redistribute(mesh, p)
-            )
+            functools.partial(placed_gradient, mesh=mesh, placements=wanted)
         )
     variable._value = parameter
+
+
+def placed_gradient(grad, mesh, placements):
+    """A variable's gradient, redistributed to the variable's placements.
+
+    Registered on every trainable DTensor variable by `place`: it runs as
+    soon as the backward pass has computed the gradient.
+    """
+    if not is_dtensor(grad) or tuple(grad.placements) == placements:
+        return grad
+    return grad.redistribute(mesh, placements)
 
 
 def unplace(variable):

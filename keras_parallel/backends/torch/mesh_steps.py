@@ -37,7 +37,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch.keras_compat import tree
-from keras_parallel.backends.torch.output_constraints import OutputConstraints
+from keras_parallel.backends.torch.output_constraints import (
+    FinishedSums,
+    OutputConstraints,
+)
 from keras_parallel.backends.torch.steps import RankSteps
 
 
@@ -177,7 +180,9 @@ class MeshSteps(RankSteps):
             return local[:rows] if pad and local.ndim else local
 
         args, kwargs = tree.map_structure(enter, (args, kwargs))
-        outputs = tree.map_structure(leave, self._own_call(*args, **kwargs))
+        with FinishedSums():
+            outputs = self._own_call(*args, **kwargs)
+        outputs = tree.map_structure(leave, outputs)
         scale = self._grad_scale
         if scale != 1.0 and torch.is_grad_enabled():
             for t in tree.flatten(outputs):
