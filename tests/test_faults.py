@@ -25,7 +25,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from subprocesses import checkout_env, run_in_session, running
+from subprocesses import checkout_env, gone, run_in_session, running
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")
@@ -91,7 +91,10 @@ def kill_every_process_at_killpoint(processes, out, backup):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         process.stderr.close()
-    assert running(str(out)) == []
+    # Orphaned by the launcher's death, the processes end on their own time
+    # (seen: one still there right after the kill, in a soak run beside a
+    # large pip install).
+    assert gone(str(out)) == []
 
 
 def final_weights(out):

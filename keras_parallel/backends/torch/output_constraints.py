@@ -218,12 +218,12 @@ class FinishedSums(TorchFunctionMode):
     Finished at once (an all-reduce of the activations, as a Megatron
     row-parallel layer does), the gradient comes back replicated and the
     kernel's gradient is computed as its shard. The values are the same
-    either way. Only contractions (`CONTRACTIONS`): other partial results (a
+    either way (up to the order of float additions). Only contractions (`CONTRACTIONS`): other partial results (a
     mean over the split batch, `Partial(avg)`) are left to DTensor, whose
     backward pass cannot turn a gradient's `Partial(sum)` into them.
 
-    Active in the forward pass of a step only (a torch function mode is
-    thread-local: the backward pass, on autograd's threads, is not under it).
+    Active around the model's `call` only: the loss, the backward pass and
+    the optimizer's update run after it has exited.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
