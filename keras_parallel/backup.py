@@ -45,6 +45,7 @@ from keras import callbacks
 
 from keras_parallel import atomic
 from keras_parallel.keras_compat import EpochIterator
+from keras_parallel.replacements import Replacements
 
 #: The key of keras_parallel's part of `training_metadata.json`.
 METADATA_KEY = "keras_parallel"
@@ -65,7 +66,7 @@ class ExactBackups:
 
     def __init__(self, executor):
         self.executor = executor
-        self._saved = []
+        self._replacements = Replacements()
 
     def install(self):
         executor = self.executor
@@ -85,16 +86,10 @@ class ExactBackups:
             (EpochIterator, "__init__"): remembered_init,
         }
         for (cls, name), function in patches.items():
-            self._saved.append((cls, name, cls.__dict__.get(name)))
-            setattr(cls, name, function)
+            self._replacements.replace(cls, name, function)
 
     def uninstall(self):
-        for cls, name, value in reversed(self._saved):
-            if value is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, value)
-        self._saved = []
+        self._replacements.restore()
 
 
 #: The `EpochIterator` made last (a weak reference): `fit` makes its

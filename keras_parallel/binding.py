@@ -37,6 +37,9 @@ class Binding:
         self._signature = None
         self._depth = 0
         self._scope = None
+        #: The executor's `planned_scope`, entered while an entry point runs
+        #: and a plan is applied.
+        self._planned_scope = None
         self._announced = False
 
     def resolve(self, model):
@@ -62,11 +65,32 @@ class Binding:
         if signature == self._signature:
             return False
         plan = self.resolve(model)
+        # A plan applied while an entry point runs (the first `fit` of an
+        # unbuilt model builds it inside Keras's trainer) must be in force
+        # for the rest of that entry point: leave the older plan's scope,
+        # apply, and enter the new plan's.
+        self._leave_planned_scope()
         self.executor.apply(model, plan)
         self.plan = plan
         self._signature = signature
         self.version += 1
+        if self.active:
+            self._enter_planned_scope(model)
         return True
+
+    def _enter_planned_scope(self, model):
+        scope = contextlib.ExitStack()
+        scope.enter_context(self.executor.planned_scope(model))
+        self._planned_scope = scope
+
+    def _leave_planned_scope(self, error=None):
+        scope, self._planned_scope = self._planned_scope, None
+        if scope is None:
+            return
+        if error is None:
+            scope.close()
+        else:
+            scope.__exit__(type(error), error, error.__traceback__)
 
     def wrap_steps(self, model):
         """Lets the executor wrap the step functions Keras made, once each."""
@@ -74,10 +98,34 @@ class Binding:
             function = getattr(model, name, None)
             if function is None or getattr(function, "_kp_wrapped", False):
                 continue
-            wrapped = self.executor.wrap_step(function, kind=name.split("_")[0])
+            kind = name.split("_")[0]
+            wrapped = self.executor.wrap_step(function, kind=kind)
+            if self.plan is None:
+                wrapped = self._planned_at_first_step(model, wrapped, kind)
             if wrapped is not function:
                 wrapped._kp_wrapped = True
                 setattr(model, name, wrapped)
+
+    def _planned_at_first_step(self, model, function, kind):
+        """`function`, planning the model before its first step if need be.
+
+        Keras's torch `predict` and `predict_on_batch` (and TensorFlow's
+        `predict_on_batch`) build an unbuilt model only inside its first
+        step, after the step function was made: nothing could be planned
+        before. The model is then built from the step's inputs
+        (symbolically, under the executor's scope) and planned before the
+        step runs, so even that step is distributed.
+        """
+
+        def step(*args, **kwargs):
+            if self.plan is None and self.active and not model.built:
+                inputs = self.executor.step_inputs(kind, args)
+                if inputs is not None:
+                    build_from_inputs(model, inputs)
+                    self.prepare(model)
+            return function(*args, **kwargs)
+
+        return step
 
     def announce(self, model, print_fn=print):
         """Prints the plan once (on the chief process), at the first `fit`."""
@@ -96,9 +144,12 @@ class Binding:
                 backups = ExactBackups(self.executor)
                 backups.install()
                 self._scope.callback(backups.uninstall)
-            except BaseException:
+                if self.plan is not None:
+                    self._enter_planned_scope(model)
+            except BaseException as error:
                 self._depth = 0
-                self._scope = None
+                scope, self._scope = self._scope, None
+                scope.__exit__(type(error), error, error.__traceback__)
                 raise
 
     def exit(self, model, error=None):
@@ -115,10 +166,13 @@ class Binding:
         self._depth -= 1
         if self._depth == 0:
             scope, self._scope = self._scope, None
-            if error is None:
-                scope.close()
-            else:
-                scope.__exit__(type(error), error, error.__traceback__)
+            try:
+                self._leave_planned_scope(error)
+            finally:
+                if error is None:
+                    scope.close()
+                else:
+                    scope.__exit__(type(error), error, error.__traceback__)
 
     @property
     def active(self):
@@ -143,3 +197,19 @@ class Binding:
             self.executor.release(model)
         self.plan = None
         self._signature = None
+
+
+def build_from_inputs(model, inputs):
+    """Builds `model` by calling it on symbolic tensors shaped like `inputs`.
+
+    Args:
+        model: an unbuilt `keras.Model`.
+        inputs: a batch of the model's inputs (arrays or tensors, nested).
+    """
+    import keras
+
+    def spec(value):
+        shape = (None,) + tuple(value.shape)[1:]
+        return keras.KerasTensor(shape, keras.backend.standardize_dtype(value.dtype))
+
+    model(keras.tree.map_structure(spec, inputs))

@@ -16,6 +16,7 @@ writes one file.
 from keras import callbacks
 
 from keras_parallel.instance_methods import replace_methods
+from keras_parallel.replacements import Replacements
 
 _HOOKS = (
     "on_train_begin",
@@ -70,21 +71,15 @@ class ChiefOnlyCallbacks:
 
     def __init__(self, collective_saving=False):
         self.collective_saving = collective_saving
-        self._saved = []
+        self._replacements = Replacements()
 
     def install(self):
         for cls, hooks in _silenced(self.collective_saving).items():
             for hook in hooks:
-                self._saved.append((cls, hook, cls.__dict__.get(hook)))
-                setattr(cls, hook, _noop)
+                self._replacements.replace(cls, hook, _noop)
 
     def uninstall(self):
-        for cls, hook, value in reversed(self._saved):
-            if value is None:
-                delattr(cls, hook)
-            else:
-                setattr(cls, hook, value)
-        self._saved = []
+        self._replacements.restore()
 
 
 def chief_only_saving(model, saving=None):

@@ -1,8 +1,10 @@
 """Methods of one model object replaced for a while, and put back.
 
-Set on the instance, past Keras's and torch's attribute tracking, so that
-only this model changes and its class stays as it was.
+Set on the instance (through `keras_parallel.replacements`), so that only
+this model changes and its class stays as it was.
 """
+
+from keras_parallel.replacements import Replacements
 
 
 def replace_methods(model, methods):
@@ -10,7 +12,8 @@ def replace_methods(model, methods):
 
     Args:
         model: the object whose methods change.
-        methods: the functions to call instead, by method name.
+        methods: the functions to call instead, by method name (each listed
+            in a `REPLACED` table).
 
     Returns:
         A function that puts back what `model` had before.
@@ -20,15 +23,7 @@ def replace_methods(model, methods):
     >>> undo = replace_methods(model, {"save": lambda *a, **k: None})
     >>> undo()
     """
-    saved = {name: model.__dict__.get(name) for name in methods}
+    replacements = Replacements()
     for name, function in methods.items():
-        object.__setattr__(model, name, function)
-
-    def undo():
-        for name, value in saved.items():
-            if value is None:
-                model.__dict__.pop(name, None)
-            else:
-                object.__setattr__(model, name, value)
-
-    return undo
+        replacements.replace(model, name, function)
+    return replacements.restore

@@ -150,6 +150,84 @@ EpochIterator = internal(
     "keras.src.trainers.epoch_iterator", "EpochIterator"
 ).EpochIterator
 
+from keras_parallel.replacements import Target  # noqa: E402
+
+_CALLBACK_HOOKS = (
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+    "on_batch_begin",
+    "on_batch_end",
+)
+
+#: What keras_parallel replaces on every backend, while an entry point runs
+#: (or while a model is saved), through `keras_parallel.replacements`.
+REPLACED = (
+    Target(
+        "keras.src.callbacks.progbar_logger.ProgbarLogger",
+        _CALLBACK_HOOKS,
+        "silenced on processes other than 0 (`chief.py`)",
+    ),
+    Target(
+        "keras.src.callbacks.csv_logger.CSVLogger",
+        _CALLBACK_HOOKS,
+        "silenced on processes other than 0: one file (`chief.py`)",
+    ),
+    Target(
+        "keras.src.callbacks.tensorboard.TensorBoard",
+        _CALLBACK_HOOKS,
+        "silenced on processes other than 0: one log (`chief.py`)",
+    ),
+    Target(
+        "keras.src.callbacks.model_checkpoint.ModelCheckpoint",
+        _CALLBACK_HOOKS,
+        "silenced on processes other than 0 where saving is not a "
+        "collective (`chief.py`)",
+    ),
+    Target(
+        "keras.src.callbacks.backup_and_restore.BackupAndRestore",
+        ("_save_model", "_load_model", "on_epoch_begin")
+        + ("on_epoch_end", "on_train_batch_end", "on_train_end"),
+        "backups written whole, with the random state; resumed exactly "
+        "(`backup.py`); writing silenced on processes other than 0 "
+        "(`chief.py`)",
+    ),
+    Target(
+        "keras.src.trainers.epoch_iterator.EpochIterator",
+        "__init__",
+        "remembers the training iterator, whose data adapter a resumed run "
+        "moves on (`backup.py`)",
+    ),
+    Target(
+        "keras.src.saving.serialization_lib",
+        "serialize_with_public_class",
+        "a DistributedModel saved as Keras's own class (`saving.py`)",
+    ),
+    Target(
+        "keras.src.saving.saving_lib",
+        "get_attr_skipset",
+        "saving's reference objects made outside any strategy (`saving.py`)",
+    ),
+    Target(
+        "keras.src.models.model.Model",
+        ("save", "save_weights"),
+        "written whole (`atomic.py`); on processes other than 0, nothing "
+        "written (`chief.py`)",
+        on_instances=True,
+    ),
+)
+
 #: Attributes of Keras objects that keras_parallel reads or sets, by owner.
 OBJECT_ATTRIBUTES = {
     # Model._flatten_layers walks nested layers (TF executor, sync BN).

@@ -34,6 +34,8 @@ import warnings
 
 import numpy as np
 
+from keras_parallel.replacements import replaced
+
 #: The file in the model's assets that describes its distribution.
 DISTRIBUTION_ASSET = "keras_parallel_distribution.json"
 #: The format of that file; a newer one is refused with a warning.
@@ -124,11 +126,10 @@ def saved_as_keras_class():
             "registered_name": get_registered_name(cls),
         }
 
-    module.serialize_with_public_class = serialize_with_public_class
-    try:
+    with replaced(
+        {(module, "serialize_with_public_class"): serialize_with_public_class}
+    ):
         yield
-    finally:
-        module.serialize_with_public_class = original
 
 
 #: The kinds of objects Keras's saving builds a reference object of.
@@ -168,11 +169,8 @@ def saving_references_made_outside():
     def learned(kind):
         return _skipsets[kind] if kind in _skipsets else original(kind)
 
-    saving_lib.get_attr_skipset = learned
-    try:
+    with replaced({(saving_lib, "get_attr_skipset"): learned}):
         yield
-    finally:
-        saving_lib.get_attr_skipset = original
 
 
 def compile_from_config(model, config):

@@ -28,7 +28,8 @@ class Executor(abc.ABC):
        `evaluate` or `predict`), and again if the variables changed.
     3. `scope(model)` around every Keras entry point (`fit`, `evaluate`,
        `predict`, `*_on_batch`): what must be in force while Keras's trainer
-       runs.
+       runs; inside it, `planned_scope(model)` whenever a plan is applied,
+       from the moment it is.
     4. `release(model)` when the model goes back to one device
        (`compile(distribution=None)`): undo `apply`.
 
@@ -120,8 +121,23 @@ class Executor(abc.ABC):
         """What must be in force while Keras's trainer runs an entry point.
 
         Entered around `fit`, `evaluate`, `predict` and the `*_on_batch`
-        methods; nested entries (the evaluation inside `fit`) are entered
-        once. The default does nothing.
+        methods, whether or not a plan is applied yet (an unbuilt model is
+        built inside the entry point); nested entries (the evaluation inside
+        `fit`) are entered once. The default does nothing.
+        """
+        yield
+
+    @contextlib.contextmanager
+    def planned_scope(self, model):
+        """What an applied plan needs in force while an entry point runs.
+
+        Entered inside `scope`: when the entry point starts if a plan is
+        applied by then, else the moment `apply` runs inside the entry
+        point (the first `fit` of an unbuilt model, planned once Keras built
+        it). When a newer plan is applied while it runs, the older plan's
+        is left first and the newer's entered after `apply`. So whoever
+        applies a plan, the rest of the entry point runs under it. The
+        default does nothing.
         """
         yield
 
@@ -142,6 +158,23 @@ class Executor(abc.ABC):
             The function to call instead.
         """
         return function
+
+    def step_inputs(self, kind, args):
+        """The model inputs of the batch a step function was called with.
+
+        Where Keras builds an unbuilt model only inside the first step
+        (torch's `predict`), the binding builds and plans it from these
+        before the step runs.
+
+        Args:
+            kind: `"train"`, `"test"` or `"predict"`.
+            args: the positional arguments the step function got.
+
+        Returns:
+            The inputs (`x`) of the first batch, or `None` where Keras builds
+            the model before its step (the default).
+        """
+        return None
 
     def host_value(self, value):
         """A variable's whole value on this process's host, as NumPy.

@@ -20,6 +20,7 @@ import contextlib
 
 import jax
 import keras
+import numpy as np
 from keras.distribution import TensorLayout
 
 from keras_parallel.backends.base import Executor
@@ -161,10 +162,7 @@ class JaxExecutor(Executor):
                 self._undo_saving = chief_only_saving(model, self.saving)
 
     @contextlib.contextmanager
-    def scope(self, model):
-        if self._planned is None:
-            yield
-            return
+    def planned_scope(self, model):
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(self._planned)
         keras_jax_distribution_lib.distribute_data_input = distribute_batch
@@ -193,8 +191,10 @@ class JaxExecutor(Executor):
         return len(names) > 1 and all(name.startswith("cpu") for name in names)
 
     def wrap_step(self, function, kind="train"):
-        if kind == "predict" and processes.is_multi_process():
-            function = _gathered_predictions(function)
+        if kind == "predict":
+            function = _laid_out_inputs(function)
+            if processes.is_multi_process():
+                function = _gathered_predictions(function)
         if not self._on_cpu():
             return function
 
@@ -231,6 +231,29 @@ class JaxExecutor(Executor):
     @property
     def process_index(self):
         return jax.process_index()
+
+
+def _laid_out_inputs(function):
+    """Keras's predict step, its host (NumPy) inputs laid out as batches.
+
+    Keras's JAX `predict_on_batch` hands its NumPy batch to the compiled
+    step as it is, never laid out by the distribution: every device would
+    compute the whole batch. `predict`'s batches arrive laid out already
+    (`jax.Array`s) and pass unchanged.
+    """
+
+    def lay_out(value):
+        distribution = keras.distribution.distribution()
+        if distribution is None or not isinstance(value, np.ndarray):
+            return value
+        layout = distribution.get_data_layout(value.shape)
+        return distribute_batch(value, layout, distribution.batch_dim_name)
+
+    def step(state, iterator):
+        batches = (keras.tree.map_structure(lay_out, batch) for batch in iterator)
+        return function(state, batches)
+
+    return step
 
 
 def _gathered_predictions(function):

@@ -273,11 +273,15 @@ def late_distribution(model):
     def _get_iterator(self):
         dataset = self._distributed_dataset
         strategy = tf.distribute.get_strategy()
-        if isinstance(strategy, ExactRun) and not isinstance(
-            dataset, tf.distribute.DistributedDataset
-        ):
+        if not isinstance(strategy, ExactRun):
+            return dataset
+        if not isinstance(dataset, tf.distribute.DistributedDataset):
             dataset = strategy.experimental_distribute_dataset(dataset)
             self._distributed_dataset = dataset
+            _build_from_first_batch(model, strategy, iter(dataset))
+        elif not is_built(model):
+            # `predict` of an unbuilt model: Keras would build it inside the
+            # traced replica step, where no variable can be made.
             _build_from_first_batch(model, strategy, iter(dataset))
         return dataset
 
@@ -293,8 +297,36 @@ def _build_from_first_batch(model, strategy, iterator):
         ),
         next(iterator),
     )
+    if not isinstance(batch, (tuple, list)):
+        batch = (batch,)
     with strategy.scope():
-        model._symbolic_build(data_batch=batch)
+        if len(batch) < 2:
+            # A predict batch (its inputs only): no loss or metric to build.
+            build_for_prediction(model, batch[0])
+        else:
+            model._symbolic_build(data_batch=batch)
+
+
+def is_built(model):
+    """Whether the model and every layer in it is built."""
+    return model.built and all(
+        layer.built for layer in model._flatten_layers(include_self=False)
+    )
+
+
+def build_for_prediction(model, x):
+    """Builds an unbuilt model from a batch's inputs (`x`), symbolically.
+
+    Called under the strategy's scope, so its variables are mirrored.
+    """
+    if is_built(model):
+        return
+    import keras
+
+    specs = tree.map_structure(
+        lambda v: keras.KerasTensor(tuple(v.shape), v.dtype.name), x
+    )
+    model(specs)
 
 
 @contextlib.contextmanager

@@ -161,6 +161,14 @@ class TensorFlowExecutor(Executor):
                 # built): leave the model as it came.
                 _restore_state(model, previous)
 
+    def step_inputs(self, kind, args):
+        # `predict_on_batch` calls the step with `[(x,)]`; `predict` hands
+        # an iterator (its model is built in `exact.late_distribution`).
+        data = args[0] if args else None
+        if kind == "predict" and isinstance(data, list) and data:
+            return data[0][0]
+        return None
+
     @contextlib.contextmanager
     def _workers_scope(self):
         """Across workers: one shuffle (worker 0's), progress on worker 0."""

@@ -217,6 +217,16 @@ class TorchExecutor(Executor):
 
     @contextlib.contextmanager
     def scope(self, model):
+        try:
+            yield
+        except BaseException as error:
+            # The other ranks learn which rank failed, and why, without a
+            # collective (they may never reach one).
+            torch_group.publish_failure(self.process_index, error)
+            raise
+
+    @contextlib.contextmanager
+    def planned_scope(self, model):
         if self._steps is None or model is not self._model:
             yield
             return
@@ -227,8 +237,7 @@ class TorchExecutor(Executor):
                 part.install()
                 installed.append(part)
             yield
-        except BaseException as error:
-            torch_group.publish_failure(self.process_index, error)
+        except BaseException:
             for part in reversed(installed):
                 part.uninstall()
             raise
@@ -286,6 +295,15 @@ class TorchExecutor(Executor):
     def close(self):
         """Drops the DDP wrapper before the process group goes (at exit)."""
         self._close_ddp()
+
+    def step_inputs(self, kind, args):
+        # Keras's torch `predict` and `predict_on_batch` build an unbuilt
+        # model in their first step, called with a list of batches `[(x,)]`.
+        data = args[0] if args else None
+        if kind == "predict" and isinstance(data, (list, tuple)) and data:
+            batch = data[0]
+            return batch[0] if isinstance(batch, (list, tuple)) else batch
+        return None
 
     # ------------------------------------------------ ModelParallel only
     def host_value(self, value):
