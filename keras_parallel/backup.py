@@ -238,7 +238,7 @@ def _set_random_state(model, executor, state):
             f"{model.name!r} has {len(variables)}. Received: a backup of "
             "another model; delete the backup folder to start afresh."
         )
-    for variable, value in zip(variables, saved):
+    for variable, value in zip(variables, saved, strict=True):
         value = np.asarray(value, dtype=variable.dtype)
         variable.assign(executor.rank_seed_state(value))
 

@@ -16,26 +16,8 @@ writes one file.
 from keras import callbacks
 
 from keras_parallel.instance_methods import replace_methods
+from keras_parallel.keras_compat import CALLBACK_HOOKS
 from keras_parallel.replacements import Replacements
-
-_HOOKS = (
-    "on_train_begin",
-    "on_train_end",
-    "on_epoch_begin",
-    "on_epoch_end",
-    "on_train_batch_begin",
-    "on_train_batch_end",
-    "on_test_begin",
-    "on_test_end",
-    "on_test_batch_begin",
-    "on_test_batch_end",
-    "on_predict_begin",
-    "on_predict_end",
-    "on_predict_batch_begin",
-    "on_predict_batch_end",
-    "on_batch_begin",
-    "on_batch_end",
-)
 
 
 def _silenced(collective_saving):
@@ -43,7 +25,7 @@ def _silenced(collective_saving):
     writers = [callbacks.ProgbarLogger, callbacks.CSVLogger, callbacks.TensorBoard]
     if not collective_saving:
         writers.append(callbacks.ModelCheckpoint)
-    silenced = {cls: _HOOKS for cls in writers}
+    silenced = {cls: CALLBACK_HOOKS for cls in writers}
     # BackupAndRestore reads its backup on every rank (on_train_begin) and
     # deletes it on rank 0 only; where saving is collective, every rank saves
     # (rank 0 alone writes), else rank 0 alone saves.

@@ -152,7 +152,8 @@ EpochIterator = internal(
 
 from keras_parallel.replacements import Target  # noqa: E402
 
-_CALLBACK_HOOKS = (
+#: Every hook of a Keras callback.
+CALLBACK_HOOKS = (
     "on_train_begin",
     "on_train_end",
     "on_epoch_begin",
@@ -170,30 +171,35 @@ _CALLBACK_HOOKS = (
     "on_batch_begin",
     "on_batch_end",
 )
+_HOOKS_SHOWN = "every `on_*` hook"
 
 #: What keras_parallel replaces on every backend, while an entry point runs
 #: (or while a model is saved), through `keras_parallel.replacements`.
 REPLACED = (
     Target(
         "keras.src.callbacks.progbar_logger.ProgbarLogger",
-        _CALLBACK_HOOKS,
+        CALLBACK_HOOKS,
         "silenced on processes other than 0 (`chief.py`)",
+        shown_as=_HOOKS_SHOWN,
     ),
     Target(
         "keras.src.callbacks.csv_logger.CSVLogger",
-        _CALLBACK_HOOKS,
+        CALLBACK_HOOKS,
         "silenced on processes other than 0: one file (`chief.py`)",
+        shown_as=_HOOKS_SHOWN,
     ),
     Target(
         "keras.src.callbacks.tensorboard.TensorBoard",
-        _CALLBACK_HOOKS,
+        CALLBACK_HOOKS,
         "silenced on processes other than 0: one log (`chief.py`)",
+        shown_as=_HOOKS_SHOWN,
     ),
     Target(
         "keras.src.callbacks.model_checkpoint.ModelCheckpoint",
-        _CALLBACK_HOOKS,
+        CALLBACK_HOOKS,
         "silenced on processes other than 0 where saving is not a "
         "collective (`chief.py`)",
+        shown_as=_HOOKS_SHOWN,
     ),
     Target(
         "keras.src.callbacks.backup_and_restore.BackupAndRestore",

@@ -182,7 +182,7 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
             f"axis_names={list(axis_names)}; pass one of these names as "
             "`batch_dim_name`."
         )
-    sizes = dict(zip(axis_names, mesh_shape))
+    sizes = dict(zip(axis_names, mesh_shape, strict=True))
 
     model_vars, optimizer_vars, metric_vars = _variables_by_kind(model)
     layout_map = _layout_map_of(distribution)
@@ -303,7 +303,7 @@ def _entry(variable, kind, axes, key, sizes):
     shape = tuple(int(s) for s in variable.shape)
     dtype = str(getattr(variable.dtype, "name", variable.dtype))
     shards = 1
-    for index, (dim, axis) in enumerate(zip(shape, axes)):
+    for index, (dim, axis) in enumerate(zip(shape, axes, strict=True)):
         if axis is None:
             continue
         if dim % sizes[axis]:
@@ -357,7 +357,7 @@ def iter_planned_variables(model, plan):
             "was made for. Resolve the plan again after building the model "
             "(keras_parallel does this at each fit/evaluate/predict)."
         )
-    yield from zip(variables, plan.variables)
+    yield from zip(variables, plan.variables, strict=True)
 
 
 def variables_signature(model):

@@ -43,15 +43,20 @@ class Target:
         why: what keras_parallel does with them, for the docs' table.
         on_instances: the attributes are set on objects of the `owner`
             class (a model's `train_step`), not on the class itself.
-        optional: the owner exists only in some Keras versions.
+        optional: the owner (or the attributes) exist only in some Keras
+            versions; another `Target` names where the others have them.
+        shown_as: how the docs' table names `names`, where they are many.
     """
 
-    def __init__(self, owner, names, why, on_instances=False, optional=False):
+    def __init__(
+        self, owner, names, why, on_instances=False, optional=False, shown_as=None
+    ):
         self.owner = owner
         self.names = (names,) if isinstance(names, str) else tuple(names)
         self.why = why
         self.on_instances = on_instances
         self.optional = optional
+        self.shown_as = shown_as
         self._resolved = _MISSING
 
     def __repr__(self):
@@ -77,21 +82,26 @@ class Target:
 
 
 def _import(path):
-    """The module or class at a dotted import path, or `None`."""
-    module_name, attributes = path, []
-    while module_name:
-        try:
-            value = importlib.import_module(module_name)
-        except ImportError:
-            module_name, _, head = module_name.rpartition(".")
-            attributes.insert(0, head)
+    """The module or class at a dotted path, or `None`.
+
+    Walked by attribute from the top package, importing a submodule only
+    where no attribute has the name: `"tensorflow.random"` is the module
+    object `tf.random` that Keras calls, which an import by that name is not.
+    """
+    parts = path.split(".")
+    try:
+        value = importlib.import_module(parts[0])
+    except ImportError:
+        return None
+    for i, part in enumerate(parts[1:], start=2):
+        if hasattr(value, part):
+            value = getattr(value, part)
             continue
-        for attribute in attributes:
-            value = getattr(value, attribute, None)
-            if value is None:
-                return None
-        return value
-    return None
+        try:
+            value = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            return None
+    return value
 
 
 def _registered_targets():
@@ -221,3 +231,21 @@ def replaced(items):
         yield replacements
     finally:
         replacements.restore()
+
+
+def markdown_rows(label, targets):
+    """The rows of docs/design.md's table of replaced targets.
+
+    Args:
+        label: the first column: `"every backend"`, `"jax"`, ...
+        targets: the `Target`s of that table.
+
+    Returns:
+        A list of Markdown table rows, one per target.
+    """
+    rows = []
+    for target in targets:
+        names = target.shown_as or ", ".join(f"`{name}`" for name in target.names)
+        where = f"`{target.owner}`" + (" objects" if target.on_instances else "")
+        rows.append(f"| {label} | {where} | {names} | {target.why} |")
+    return rows

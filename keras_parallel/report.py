@@ -90,7 +90,9 @@ def format_plan(plan, model_name="model", executor=None):
     else:
         backend, num_processes = executor.backend, executor.num_processes
         owners = executor.device_processes() if num_processes > 1 else None
-    mesh = ", ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
+    mesh = ", ".join(
+        f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape, strict=True)
+    )
     processes = "1 process" if num_processes == 1 else f"{num_processes} processes"
     lines = [
         f"Sharding plan of {model_name!r}",
@@ -100,7 +102,7 @@ def format_plan(plan, model_name="model", executor=None):
     ]
     if owners is not None:
         held = {}
-        for device, process in zip(plan.devices, owners):
+        for device, process in zip(plan.devices, owners, strict=True):
             held.setdefault(process, []).append(device)
         lines += [f"Process {p}: {', '.join(d)}" for p, d in sorted(held.items())]
     lines.append("")
@@ -119,7 +121,9 @@ def format_plan(plan, model_name="model", executor=None):
     ]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        )
     lines.append("")
     if plan.outputs:
         lines.append("Output constraints:")

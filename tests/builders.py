@@ -3,13 +3,24 @@
 import numpy as np
 
 
-def dense_model(model_class, batchnorm=False, name="net", seed=1):
-    """A small functional MLP: d1 (16->32), optional BatchNorm, d2 (32->4)."""
+def dense_model(model_class, batchnorm=False, name="net", seed=1, probe=False):
+    """A small functional MLP: d1 (16->32), optional BatchNorm, d2 (32->8).
+
+    With `probe=True`, a `split_probe.probe()` (no variables: the weights
+    are those of the model without it) follows the Input, so a test can
+    check that the batch was split. Off by default: a model saved with it
+    loads only where `split_probe` is imported.
+    """
     import keras
 
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((16,))
-    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    x = inputs
+    if probe:
+        import split_probe
+
+        x = split_probe.probe()(x)
+    x = keras.layers.Dense(32, activation="relu", name="d1")(x)
     if batchnorm:
         x = keras.layers.BatchNormalization(name="bn")(x)
     outputs = keras.layers.Dense(8, name="d2")(x)
@@ -28,9 +39,16 @@ def weights_of(model):
 
 
 def max_relative_difference(a_weights, b_weights):
-    """The largest of |a - b| / max|a| over the variables."""
+    """The largest of |a - b| / max|a| over the variables.
+
+    Fails (rather than passing vacuously) on no variables or on lists of
+    different lengths.
+    """
+    a_weights, b_weights = list(a_weights), list(b_weights)
+    assert a_weights, "no weights to compare"
+    assert len(a_weights) == len(b_weights), (len(a_weights), len(b_weights))
     worst = 0.0
-    for a, b in zip(a_weights, b_weights):
+    for a, b in zip(a_weights, b_weights, strict=True):
         a = np.asarray(a, dtype="float64")
         b = np.asarray(b, dtype="float64")
         scale = max(float(np.max(np.abs(a))), 1e-12)

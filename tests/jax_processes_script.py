@@ -120,7 +120,9 @@ def main(out, case):
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
     # Which rows of a 64-row global batch this process's devices hold.
     layout = model._kp_binding.executor._planned.get_data_layout((64, 16))
-    batch = distribute_batch(data()[0][:64], layout.backend_layout, "data")
+    batch = distribute_batch(
+        data()[0][:64], layout.backend_layout, "data", previous=None
+    )
     rows = sorted({i for s in batch.addressable_shards for i in range(64)[s.index[0]]})
     kernel = model.get_layer("d1").kernel.value
     info = {

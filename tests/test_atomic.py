@@ -78,7 +78,7 @@ def test_a_save_killed_half_way_leaves_the_previous_file(tmp_path, monkeypatch, 
     else:
         loaded = resume_script.build()  # Its optimizer unbuilt: not loaded.
         loaded.load_weights(path)
-    for a, b in zip(loaded.get_weights(), expected):
+    for a, b in zip(loaded.get_weights(), expected, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -122,7 +122,7 @@ def test_weights_of_another_model_are_refused_and_change_nothing(tmp_path):
     with pytest.raises(ValueError, match="model.weights.h5") as error:
         other.load_weights(path)
     assert "the model is unchanged" in str(error.value)
-    for a, b in zip(other.get_weights(), before):
+    for a, b in zip(other.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -61,7 +61,8 @@ def uninterrupted():
 
 
 def assert_same(actual, expected):
-    for a, b in zip(actual, expected):
+    assert expected, "no weights to compare"
+    for a, b in zip(actual, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 

@@ -97,7 +97,7 @@ def test_bad_distribution_leaves_the_model_on_one_device(case):
     with pytest.raises(ValueError, match=message):
         model.compile(optimizer="sgd", loss="mse", distribution=factory())
     assert model.distribution is None
-    for a, b in zip(before, weights_of(model)):
+    for a, b in zip(before, weights_of(model), strict=True):
         np.testing.assert_array_equal(a, b)
     assert all(len(v.value.sharding.device_set) == 1 for v in model.weights)
     assert keras.distribution.distribution() is None
@@ -130,7 +130,7 @@ def test_bad_distribution_after_a_good_one_returns_to_one_device():
             distribution=_model_parallel({"d1/kernel": ("model",)}),
         )
     assert model.distribution is None
-    for a, b in zip(before, weights_of(model)):
+    for a, b in zip(before, weights_of(model), strict=True):
         np.testing.assert_array_equal(a, b)
     model.fit(x, y, batch_size=32, verbose=0)
 

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import split_probe
 from builders import dense_model, max_relative_difference, regression_data, weights_of
 
 import keras_parallel
@@ -15,17 +16,20 @@ pytestmark = pytest.mark.skipif(
 
 def test_callback_fit_equals_one_device_and_leaves_no_global_state():
     x, y = regression_data(1003)
-    reference = dense_model(keras.Model, batchnorm=True)
+    reference = dense_model(keras.Model, batchnorm=True, probe=True)
     reference.compile(optimizer="sgd", loss="mse")
     expected = reference.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+    split_probe.clear()  # What one device saw: not a split.
 
-    model = dense_model(keras.Model, batchnorm=True)
+    model = dense_model(keras.Model, batchnorm=True, probe=True)
     model.compile(optimizer="sgd", loss="mse")
     callback = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
     history = model.fit(
         x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[callback]
     )
     assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-4
+    split_probe.assert_divided(split_probe.records(), 64, 8)
+    assert set(history.history) == set(expected.history)
     np.testing.assert_allclose(
         history.history["loss"], expected.history["loss"], rtol=1e-5
     )

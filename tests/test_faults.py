@@ -111,7 +111,8 @@ def reference_in_process():
 
 
 def assert_weights_equal(actual, expected, rtol):
-    for a, b in zip(actual, expected):
+    assert expected, "no weights to compare"
+    for a, b in zip(actual, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.max(np.abs(b)))
 
 
@@ -128,7 +129,7 @@ def test_one_jax_process_killed_resumes_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert not backup.exists()  # Deleted at the end, as Keras does.
     expected = reference_in_process()
-    for a, b in zip(final_weights(tmp_path), expected):
+    for a, b in zip(final_weights(tmp_path), expected, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -195,7 +196,12 @@ def test_every_process_killed_resumes_exactly(tmp_path, uninterrupted):
     resume_and_compare(tmp_path, backup, uninterrupted)
     expected, _ = uninterrupted
     initial = [np.asarray(w) for w in __import__("resume_script").build().get_weights()]
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(expected, initial)) > 1e-2
+    assert (
+        max(
+            float(np.max(np.abs(a - b))) for a, b in zip(expected, initial, strict=True)
+        )
+        > 1e-2
+    )
 
 
 def test_one_process_killed_ends_every_process(tmp_path):

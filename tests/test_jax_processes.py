@@ -63,9 +63,11 @@ def reference(case, distributed):
 
 
 def max_rel(a_weights, b_weights):
+    assert a_weights, "no weights to compare"
+    assert len(a_weights) == len(b_weights), (len(a_weights), len(b_weights))
     return max(
         float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-12)
-        for a, b in zip(a_weights, b_weights)
+        for a, b in zip(a_weights, b_weights, strict=True)
     )
 
 
@@ -85,7 +87,7 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("case", EQUIVALENCE_CASES)
 def test_weights_equal_one_process_and_one_device(launched, case):
     weights, _ = launched[case]
-    for a, b in zip(weights[0], weights[1]):
+    for a, b in zip(weights[0], weights[1], strict=True):
         np.testing.assert_array_equal(a, b)  # Every process: one model.
     tolerance = 1e-5 if case.endswith("one_step") else 1e-4
     assert max_rel(weights[0], reference(case, distributed=True)) < tolerance
@@ -115,6 +117,7 @@ def test_predict_and_evaluate_are_whole_on_every_process(launched, case):
         predictions = np.load(os.path.join(directory, f"predictions{process}.npy"))
         assert predictions.shape == (203, 8)  # In input order, uneven tail.
         np.testing.assert_allclose(predictions, expected, atol=1e-5)
+        assert set(infos[process]["evaluation"]) == set(evaluation)
         for key, value in evaluation.items():
             assert infos[process]["evaluation"][key] == pytest.approx(value, rel=1e-5)
 
@@ -148,11 +151,11 @@ def test_saved_files_load_on_one_device(launched, case):
     ]
     loaded = keras.saving.load_model(os.path.join(directory, "model.keras"))
     assert type(loaded).__name__ == "Functional"  # Plain Keras, one device.
-    for a, b in zip(loaded.get_weights(), weights[0]):
+    for a, b in zip(loaded.get_weights(), weights[0], strict=True):
         np.testing.assert_array_equal(a, b)
     restored = script.build(case, seed=7, distributed=False)
     restored.load_weights(os.path.join(directory, "checkpoint.weights.h5"))
-    for a, b in zip(restored.get_weights(), weights[0]):
+    for a, b in zip(restored.get_weights(), weights[0], strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -103,3 +103,169 @@ def test_supported_range_matches_pyproject():
     assert f"keras{keras_compat.SUPPORTED_KERAS}" in deps
     minimum = ".".join(map(str, keras_compat.MINIMUM_KERAS))
     assert keras_compat.SUPPORTED_KERAS == f">={minimum}"
+
+
+# ---------------------------------------------------------- replacements
+MISSING = object()
+
+
+def _tables():
+    """`{label: REPLACED}` of the shared table and this backend's."""
+    module = importlib.import_module(f"keras_parallel.backends.{BACKEND}.keras_compat")
+    return {"every backend": keras_compat.REPLACED, BACKEND: module.REPLACED}
+
+
+def _targets():
+    return [target for targets in _tables().values() for target in targets]
+
+
+def _instances():
+    """Real objects to look instance attributes up on."""
+    model = _owners()["keras.Model"]
+    attention = keras.layers.MultiHeadAttention(num_heads=1, key_dim=2)
+    return [model, model.optimizer, *model.layers, attention]
+
+
+def test_every_replaced_target_exists_in_this_keras():
+    instances = _instances()
+    missing = []
+    for target in _targets():
+        owner = target.resolve_owner()
+        if owner is None:
+            if not target.optional:
+                missing.append(target.owner)
+            continue
+        if target.on_instances:
+            objects = [o for o in instances if isinstance(o, owner)]
+            if not objects:
+                missing.append(f"an object of {target.owner}")
+                continue
+            owner = objects[0]
+        missing += [
+            f"{target.owner}.{name}"
+            for name in target.names
+            if not hasattr(owner, name) and not target.optional
+        ]
+    assert not missing, f"keras=={keras.version()} lacks {missing}"
+
+
+def _class_and_module_attributes():
+    """What every class- and module-level target holds now (its own value)."""
+    found = {}
+    for target in _targets():
+        owner = target.resolve_owner()
+        if owner is None or target.on_instances:
+            continue
+        for name in target.names:
+            found[(target.owner, name)] = vars(owner).get(name, MISSING)
+    return found
+
+
+def _changed(before, after):
+    return sorted(key for key in before if before[key] is not after[key])
+
+
+def _distributed_model(seed=0):
+    import keras_parallel
+
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    x = keras.layers.BatchNormalization()(inputs)
+    model = Net(inputs, keras.layers.Dense(2)(x))
+    devices = None
+    if BACKEND == "tensorflow":
+        import tf_devices
+
+        devices = tf_devices.devices(2)
+    model.compile(
+        optimizer="sgd",
+        loss="mse",
+        distribution=keras_parallel.DataParallel(devices=devices),
+    )
+    return model
+
+
+def _data():
+    return np.ones((32, 4), "float32"), np.ones((32, 2), "float32")
+
+
+def test_replacements_are_restored_after_fit_and_a_failing_fit():
+    before = _class_and_module_attributes()
+    model = _distributed_model()
+    x, y = _data()
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert _changed(before, _class_and_module_attributes()) == []
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[Boom()])
+    assert _changed(before, _class_and_module_attributes()) == []
+
+
+def test_a_model_run_inside_another_fit_keeps_the_outer_replacements():
+    outer, inner = _distributed_model(), _distributed_model(seed=1)
+    x, y = _data()
+    seen = {}
+
+    class EvaluateAnother(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                seen["before"] = _class_and_module_attributes()
+                inner.evaluate(x, y, batch_size=8, verbose=0)
+                seen["after"] = _class_and_module_attributes()
+
+    before = _class_and_module_attributes()
+    outer.fit(x, y, batch_size=8, verbose=0, callbacks=[EvaluateAnother()])
+    assert _changed(seen["before"], seen["after"]) == []
+    assert _changed(before, _class_and_module_attributes()) == []
+
+
+def test_replacements_restore_what_they_found_newest_first():
+    from keras_parallel.replacements import Replacements
+
+    trainer = keras_compat.EpochIterator
+    own = vars(trainer).get("__init__")
+    outer, nested = Replacements(), Replacements()
+    outer.replace(trainer, "__init__", "outer")
+    nested.replace(trainer, "__init__", "nested")
+    nested.restore()
+    assert vars(trainer)["__init__"] == "outer"
+    outer.restore()
+    assert vars(trainer).get("__init__") is own
+    # An inherited attribute replaced on a subclass is deleted again.
+    model = _owners()["keras.Model"]
+    outer.replace(model, "save", "replaced")
+    assert model.save == "replaced"
+    outer.restore()
+    assert "save" not in vars(model) and callable(model.save)
+
+
+def test_an_unlisted_replacement_is_refused():
+    from keras_parallel.replacements import Replacements
+
+    replacements = Replacements()
+    with pytest.raises(LookupError, match="without listing it"):
+        replacements.replace(keras_compat.EpochIterator, "reset", None)
+    assert not replacements
+
+
+def test_design_doc_lists_every_replaced_target():
+    import pathlib
+
+    from keras_parallel.replacements import markdown_rows
+
+    design = pathlib.Path(__file__).parents[1] / "docs" / "design.md"
+    rows = [line for line in design.read_text().splitlines() if line.startswith("|")]
+    for label, targets in _tables().items():
+        expected = markdown_rows(label, targets)
+        documented = [row for row in rows if row.startswith(f"| {label} |")]
+        assert documented == expected, (
+            f"docs/design.md's table of replaced targets differs from "
+            f"REPLACED ({label}); write these rows there:\n" + "\n".join(expected)
+        )

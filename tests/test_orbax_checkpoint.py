@@ -96,6 +96,7 @@ def saved(tmp_path_factory):
 
 def assert_state_equal(model, expected):
     got = state_of(model)
+    assert expected, "no state to compare"
     assert sorted(got) == sorted(expected)
     for path, value in expected.items():
         np.testing.assert_array_equal(got[path], value, err_msg=path)
@@ -114,7 +115,10 @@ def assert_laid_out_per_plan(model, mesh_shape):
         assert spec == axes, variable.path
     # The kernel is really split: each device holds a quarter of its columns.
     kernel = model.get_layer("d1").kernel.value
-    columns = kernel.shape[1] // dict(zip(["data", "model"], mesh_shape))["model"]
+    columns = (
+        kernel.shape[1]
+        // dict(zip(["data", "model"], mesh_shape, strict=True))["model"]
+    )
     assert {s.data.shape for s in kernel.addressable_shards} == {(16, columns)}
 
 
@@ -247,7 +251,7 @@ def test_other_layer_sizes_are_refused(saved):
     before = [np.asarray(v.value) for v in model.weights]
     with pytest.raises(ValueError, match=r"Variable 'd1/kernel' has shape \(16, 32\)"):
         keras_parallel.restore_checkpoint(model, directory)
-    for variable, value in zip(model.weights, before):
+    for variable, value in zip(model.weights, before, strict=True):
         np.testing.assert_array_equal(variable.value, value)
 
 
@@ -315,5 +319,5 @@ def test_each_process_writes_and_reads_its_own_shards(tmp_path):
     # And into one process, one device.
     model = build(None, seed=7, model_class=keras.Model)
     keras_parallel.restore_checkpoint(model, str(tmp_path / "ckpt"))
-    for variable, value in zip(model.weights, saved):
+    for variable, value in zip(model.weights, saved, strict=True):
         np.testing.assert_array_equal(variable.value, value)

@@ -115,7 +115,7 @@ def assert_same_optimizer_state(expected, actual):
     # its name scope): Keras saves and loads them in this order.
     assert [a.shape for a in actual] == [e.shape for e in expected]
     assert int(actual[0]) == int(expected[0]) == 4  # the iterations
-    for i, (e, a) in enumerate(zip(expected, actual)):
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
         np.testing.assert_allclose(a, e, rtol=1e-6, err_msg=f"variable {i}")
 
 

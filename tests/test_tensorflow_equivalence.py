@@ -10,6 +10,7 @@ on the uneven batch (checked below, so the test can fail).
 import keras
 import numpy as np
 import pytest
+import split_probe
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
@@ -40,9 +41,11 @@ class SubclassedNet(keras_parallel.DistributedModel, keras.Model):
 
 
 def _mlp(cls=Net, batchnorm=False):
+    """The batch probe first (no variables: it changes no weight)."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((12,))
-    x = keras.layers.Dense(16, name="d1")(inputs)
+    x = split_probe.probe()(inputs)
+    x = keras.layers.Dense(16, name="d1")(x)
     if batchnorm:
         x = keras.layers.BatchNormalization(name="bn")(x)
     x = keras.layers.Activation("tanh")(x)
@@ -84,8 +87,11 @@ def _rel_diff(model, reference):
     BatchNormalization) holds float noise of about 1e-9: its norm is floored
     at 1e-3, which compares it absolutely.
     """
+    weights, expected = model.get_weights(), reference.get_weights()
+    assert weights, "no weights to compare"
+    assert len(weights) == len(expected), (len(weights), len(expected))
     worst = 0.0
-    for a, b in zip(model.get_weights(), reference.get_weights()):
+    for a, b in zip(weights, expected, strict=True):
         scale = max(np.linalg.norm(b), 1e-3)
         worst = max(worst, float(np.linalg.norm(a - b) / scale))
     return worst
@@ -101,15 +107,21 @@ class BatchLogs(keras.callbacks.Callback):
 
 
 def _pair(n, num_devices, batch_size=64, epochs=1, batchnorm=False):
-    """Trains a one-device and a DataParallel copy on the same batches."""
+    """Trains a one-device and a DataParallel copy on the same batches.
+
+    Checks that the DataParallel copy's steps split their batch
+    `num_devices` ways (`split_probe`).
+    """
     x, y = _data(n)
     reference = _mlp(keras.Model, batchnorm)
     _compile(reference)
     model = _mlp(Net, batchnorm)
     _compile(model, _distribution(num_devices))
     logs = BatchLogs(), BatchLogs()
-    histories = [
-        m.fit(
+    histories = []
+    for m, cb in zip((reference, model), logs, strict=True):
+        split_probe.clear()
+        fitted = m.fit(
             x,
             y,
             batch_size=batch_size,
@@ -117,9 +129,10 @@ def _pair(n, num_devices, batch_size=64, epochs=1, batchnorm=False):
             shuffle=False,
             verbose=0,
             callbacks=[cb],
-        ).history
-        for m, cb in zip((reference, model), logs)
-    ]
+        )
+        histories.append(fitted.history)
+    global_batch = min(n, batch_size)  # One step of fewer rows: all of them.
+    split_probe.assert_divided(split_probe.records(), global_batch, num_devices)
     return reference, model, histories, logs
 
 
@@ -148,8 +161,9 @@ def test_uneven_epoch_equals_one_device_with_global_logs(num_devices):
     # Epoch logs and every step's logs are the global numbers.
     assert histories[1]["loss"] == pytest.approx(histories[0]["loss"], rel=1e-5)
     assert histories[1]["accuracy"] == pytest.approx(histories[0]["accuracy"], abs=1e-6)
+    assert set(histories[1]) == set(histories[0])
     assert len(logs[1].logs) == len(logs[0].logs) == 16
-    for mine, theirs in zip(logs[1].logs, logs[0].logs):
+    for mine, theirs in zip(logs[1].logs, logs[0].logs, strict=True):
         assert mine == pytest.approx(theirs, rel=1e-5)
     x, y = _data(1003)
     assert model.evaluate(x, y, batch_size=64, verbose=0) == pytest.approx(
@@ -203,7 +217,9 @@ def test_model_built_and_trained_before_the_distribution():
         metrics=["accuracy"],
         distribution=_distribution(2),
     )
+    split_probe.clear()
     history = model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    split_probe.assert_divided(split_probe.records(), 64, 2)
     expected = reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert optimizer.iterations.numpy() == 32
     assert isinstance(
@@ -234,9 +250,11 @@ def test_sharding_callback_on_a_plain_model():
     model = _mlp(keras.Model)
     _compile(model)
     callback = keras_parallel.ShardingCallback(_distribution(4))
+    split_probe.clear()
     history = model.fit(
         x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[callback]
     )
+    split_probe.assert_divided(split_probe.records(), 64, 4)
     expected = reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     assert isinstance(
         model.get_layer("d1").kernel._value, tf.distribute.DistributedValues
@@ -251,7 +269,9 @@ def test_on_batch_entry_points():
     _compile(reference)
     model = _mlp(Net)
     _compile(model, _distribution(2))
+    split_probe.clear()
     logs = model.train_on_batch(x, y, return_dict=True)
+    split_probe.assert_divided(split_probe.records(), 43, 2)
     expected = reference.train_on_batch(x, y, return_dict=True)
     assert logs == pytest.approx(expected, rel=1e-5)
     assert _rel_diff(model, reference) < 1e-5

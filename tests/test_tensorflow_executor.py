@@ -14,6 +14,7 @@ if keras.backend.backend() == "tensorflow":
     import tf_devices  # conftest split the CPU into logical devices
 
 import keras_parallel  # noqa: E402
+from keras_parallel.errors import ShardingError  # noqa: E402
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):
@@ -92,17 +93,15 @@ def test_model_parallel_is_refused_naming_the_backends_that_have_it():
     model = _model()
     before = [w.copy() for w in model.get_weights()]
     with pytest.raises(
-        NotImplementedError, match="available on the JAX and torch backends"
+        ShardingError, match="available on the JAX and torch backends"
     ) as info:
         _compile(model, distribution)
     assert "Received: distribution=ModelParallel" in str(info.value)
-    with pytest.raises(
-        NotImplementedError, match="available on the JAX and torch backends"
-    ):
+    with pytest.raises(ShardingError, match="available on the JAX and torch backends"):
         keras_parallel.ShardingCallback(distribution)
     # Nothing was applied: the model still trains on one device.
     assert model.distribution is None
-    for a, b in zip(model.get_weights(), before):
+    for a, b in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -135,7 +134,7 @@ def test_release_returns_the_model_to_one_device():
     assert model.distribution is None
     for variable in model.variables + model.optimizer.variables:
         assert _replica_devices(variable) is None, variable.path
-    for a, b in zip(model.get_weights(), weights):
+    for a, b in zip(model.get_weights(), weights, strict=True):
         np.testing.assert_array_equal(a, b)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert model._distribute_strategy is None
@@ -161,7 +160,7 @@ def test_metric_state_survives_the_move():
     with strategy.scope():
         after = {k: float(v) for k, v in model.get_metrics_result().items()}
     assert after == pytest.approx(before, rel=1e-6)
-    for a, b in zip(model.get_weights(), weights):
+    for a, b in zip(model.get_weights(), weights, strict=True):
         np.testing.assert_array_equal(a, b)
     tf_variables.move_variables(model, None)
     assert float(model.get_metrics_result()["mae"]) == pytest.approx(

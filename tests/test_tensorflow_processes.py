@@ -76,7 +76,7 @@ def global_batches(infos, case):
     """Each step's global batch: the rows of every worker, together."""
     steps = [info[case]["rows"] for info in infos]
     assert len(steps[0]) == len(steps[1])
-    return [sorted(a + b) for a, b in zip(*steps)]
+    return [sorted(a + b) for a, b in zip(*steps, strict=True)]
 
 
 def one_device(case, batches):
@@ -97,9 +97,11 @@ def one_device(case, batches):
 
 
 def max_rel(a_weights, b_weights):
+    assert a_weights, "no weights to compare"
+    assert len(a_weights) == len(b_weights), (len(a_weights), len(b_weights))
     return max(
         float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-12)
-        for a, b in zip(a_weights, b_weights)
+        for a, b in zip(a_weights, b_weights, strict=True)
     )
 
 
@@ -107,7 +109,7 @@ def max_rel(a_weights, b_weights):
 def test_weights_equal_one_device_on_every_worker(launched, case):
     directory, infos, _ = launched
     first, second = weights(directory, case, 0), weights(directory, case, 1)
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)  # Every worker: one model.
     reference = one_device(case, global_batches(infos, case))
     tolerance = 1e-5 if case == "one_step" else 1e-4
@@ -129,7 +131,7 @@ def test_each_worker_computes_only_its_rows(launched, case):
         everything = np.concatenate(batches)
         assert sorted(everything) == list(range(1003))  # Each sample once.
         assert list(everything) != list(range(1003))  # Shuffled.
-    for mine, theirs in zip(*rows):
+    for mine, theirs in zip(*rows, strict=True):
         assert not set(mine) & set(theirs)  # A split, not all rows each.
         assert abs(len(mine) - len(theirs)) <= 1
     assert infos[0][case]["loss"] == infos[1][case]["loss"]
@@ -145,6 +147,7 @@ def test_predict_and_evaluate_are_whole_on_every_worker(launched):
         predictions = np.load(os.path.join(directory, f"epoch_predictions{worker}.npy"))
         assert predictions.shape == (203, 8)  # In input order, uneven tail.
         np.testing.assert_allclose(predictions, expected, atol=1e-4)
+        assert set(infos[worker]["epoch"]["evaluation"]) == set(evaluation)
         for key, value in evaluation.items():
             got = infos[worker]["epoch"]["evaluation"][key]
             assert got == pytest.approx(value, rel=1e-4)

@@ -12,6 +12,7 @@ import time
 import keras
 import numpy as np
 import pytest
+import split_probe
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="torch executor tests"
@@ -40,7 +41,9 @@ def rel(a, b):
 
 
 def max_rel(weights, reference):
-    return max(rel(a, b) for a, b in zip(weights, reference))
+    assert weights, "no weights to compare"
+    assert len(weights) == len(reference), (len(weights), len(reference))
+    return max(rel(a, b) for a, b in zip(weights, reference, strict=True))
 
 
 CASES = {
@@ -118,7 +121,7 @@ def test_single_process_fit_is_plain_keras(capsys):
     plain = workers.train(distributed=False, steps=3)
     ours = workers.train(distributed=True, steps=3)
     assert "one device" in capsys.readouterr().out
-    for a, b in zip(ours["weights"], plain["weights"]):
+    for a, b in zip(ours["weights"], plain["weights"], strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -161,8 +164,10 @@ def test_split_rows_covers_every_row_once():
 def test_weights_equal_single_process(two_ranks, single, name):
     ranks = two_ranks[name]
     reference = single[name]["weights"]
-    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
         np.testing.assert_array_equal(a, b)  # Bit-identical across ranks.
+    for rank in ranks:  # Each rank computed its half of every batch.
+        split_probe.assert_divided(rank["split"], 64, 2)
     if name not in RANKS_ONLY:
         assert max_rel(ranks[0]["weights"], reference) < TOLERANCE.get(name, 1e-4)
 
@@ -170,7 +175,10 @@ def test_weights_equal_single_process(two_ranks, single, name):
 def test_local_batchnorm_statistics_were_trained(two_ranks, single):
     # The agreement above means something only if the statistics moved.
     initial = workers.weights_of(workers.make_model(distributed=False, batchnorm=True))
-    moved = [rel(a, b) for a, b in zip(two_ranks["bn_local"][0]["weights"], initial)]
+    moved = [
+        rel(a, b)
+        for a, b in zip(two_ranks["bn_local"][0]["weights"], initial, strict=True)
+    ]
     assert max(moved) > 1e-3
 
 
@@ -196,6 +204,8 @@ def test_training_moved_the_weights(two_ranks, single):
 )
 def test_logs_equal_single_process(two_ranks, single, name):
     for result in two_ranks[name]:
+        assert set(result["history"]) == set(single[name]["history"])
+        assert set(result["evaluation"]) == set(single[name]["evaluation"])
         for key, values in single[name]["history"].items():
             np.testing.assert_allclose(result["history"][key], values, rtol=1e-5)
         for key, value in single[name]["evaluation"].items():
@@ -210,7 +220,8 @@ def test_step_logs_are_global_when_a_callback_reads_them(two_ranks, single, name
     assert len(reference) == 16  # 1003 samples at batch 64.
     for result in two_ranks[name]:
         assert len(result["step_logs"]) == len(reference)
-        for mine, theirs in zip(result["step_logs"], reference):
+        for mine, theirs in zip(result["step_logs"], reference, strict=True):
+            assert set(mine) == set(theirs)
             for key, value in theirs.items():
                 assert mine[key] == pytest.approx(value, rel=1e-5), key
 
@@ -296,10 +307,13 @@ def test_four_ranks_equal_single_process(single):
     results = _launch(workers.scenarios, 4, args=(cases,))
     for index, name in enumerate(["ten_steps", "uneven_epoch"]):
         ranks = [r[index] for r in results]
+        for rank in ranks:  # Each rank computed its quarter of every batch.
+            split_probe.assert_divided(rank["split"], 64, 4)
         for other in ranks[1:]:
-            for a, b in zip(other["weights"], ranks[0]["weights"]):
+            for a, b in zip(other["weights"], ranks[0]["weights"], strict=True):
                 np.testing.assert_array_equal(a, b)
         assert max_rel(ranks[0]["weights"], single[name]["weights"]) < 1e-4
+        assert set(ranks[0]["evaluation"]) == set(single[name]["evaluation"])
         for key, value in single[name]["evaluation"].items():
             np.testing.assert_allclose(ranks[0]["evaluation"][key], value, rtol=1e-5)
         np.testing.assert_allclose(
@@ -313,8 +327,9 @@ def test_rank_zero_alone_prints_and_writes(tmp_path):
     assert "cpu:1" in printed[0] and "loss" in printed[0]  # Plan, progress.
     assert printed[1].strip() == ""
     for _, names in outputs:
-        assert names == ["log.csv", "model.keras"]  # Written once, by rank 0.
-    rows = (tmp_path / "log.csv").read_text().splitlines()
+        # Written once, by rank 0: rank 1's own CSV path was never written.
+        assert names == ["log-0.csv", "model.keras"]
+    rows = (tmp_path / "log-0.csv").read_text().splitlines()
     assert len(rows) == 3  # Header and two epochs, not four.
 
 

@@ -1,6 +1,6 @@
 """ModelParallel on torch: DTensor variables under plain `model.fit`.
 
-The proof is equivalence, as on JAX (tests/test_model.py): 4 gloo processes
+The proof is equivalence, as on JAX (tests/test_jax_model.py): 4 gloo processes
 on meshes `(4, 1)`, `(2, 2)` and `(1, 4)` of axes `("data", "model")` train
 from the same initial weights, on the same global batches, with SGD, to the
 weights one device reaches, while each process holds only its shards. All
@@ -87,10 +87,12 @@ def max_rel(weights, reference):
     the attention's key bias, has a zero gradient in exact arithmetic and
     holds only rounding noise, which no relative measure of its own fits.
     """
+    assert weights, "no weights to compare"
+    assert len(weights) == len(reference), (len(weights), len(reference))
     floor = 1e-3 * max(float(np.max(np.abs(b))) for b in reference)
     return max(
         float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), floor)
-        for a, b in zip(weights, reference)
+        for a, b in zip(weights, reference, strict=True)
     )
 
 
@@ -141,7 +143,7 @@ def test_model_parallel_larger_than_the_process_group_is_refused():
 def test_weights_equal_one_device(four_ranks, single, name):
     ranks = four_ranks[name]
     for other in ranks[1:]:  # Every process gathers the same whole weights.
-        for a, b in zip(other["weights"], ranks[0]["weights"]):
+        for a, b in zip(other["weights"], ranks[0]["weights"], strict=True):
             np.testing.assert_array_equal(a, b)
     tolerance = 1e-5 if name in ONE_STEP else 1e-4
     assert max_rel(ranks[0]["weights"], single[name]["weights"]) < tolerance
@@ -197,9 +199,12 @@ def test_describe_prints_the_plan_table_one_process_plans(four_ranks):
 
 
 def test_output_key_redistributes_the_layer_output(four_ranks):
-    # d2's output is a partial sum over `model` without its key.
+    # d2's output is a partial sum over `model`; without its key it would be
+    # finished (["S(0)", "R"]). The key splits its columns over `model`.
     for mesh in ("2x2", "1x4"):
-        assert four_ranks[f"mlp_one_step_{mesh}"][0]["d2_output"] == ["S(0)", "R"]
+        result = four_ranks[f"mlp_one_step_{mesh}"][0]
+        assert result["plan_outputs"] == [("d2/output", "d2/output", ("data", "model"))]
+        assert result["d2_output"] == ["S(0)", "S(1)"]
 
 
 @pytest.mark.parametrize("mesh", ["4x1", "2x2", "1x4"])
@@ -229,7 +234,7 @@ def test_transformer_block_predicts_as_one_device(four_ranks, single):
 def test_saved_sharded_model_loads_on_one_device(four_ranks, saved_dir):
     loaded = keras.saving.load_model(os.path.join(saved_dir, "mlp.keras"))
     assert type(loaded).__name__ == "Functional"  # Plain Keras, one device.
-    for a, b in zip(loaded.get_weights(), four_ranks[SAVED][0]["weights"]):
+    for a, b in zip(loaded.get_weights(), four_ranks[SAVED][0]["weights"], strict=True):
         np.testing.assert_array_equal(a, b)
     x, _ = workers.data("mlp", 203)
     np.testing.assert_allclose(
@@ -256,7 +261,7 @@ def test_model_checkpoint_of_model_parallel_loads_on_one_device(
     assert type(loaded).__name__ == "Functional"
     # The last epoch's checkpoint holds the weights the run ended with.
     final = four_ranks["checkpoints"][0][run]
-    for a, b in zip(loaded.get_weights(), final):
+    for a, b in zip(loaded.get_weights(), final, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

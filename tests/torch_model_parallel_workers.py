@@ -45,11 +45,16 @@ def mlp(model_class, batchnorm=False):
 
 
 def mlp_layouts(layout_map):
-    """`d1/kernel` split over `model` (columns), `d2`'s rows, d2's output."""
+    """`d1/kernel` split over `model` (columns), `d2`'s rows, d2's output.
+
+    d2's output is split by its columns over `model` too: a placement no
+    layer output gets without its key (by default partial sums are finished
+    and the batch split along `data` only), so an ignored key would show.
+    """
     layout_map["d1/kernel"] = (None, "model")
     layout_map["d1/bias"] = ("model",)
     layout_map["d2/kernel"] = ("model", None)
-    layout_map["d2/output"] = ("data", None)
+    layout_map["d2/output"] = ("data", "model")
 
 
 def megatron(model_class):
@@ -293,6 +298,7 @@ def _held(model):
             )
     return {
         "d2_output": _d2_output_placements(model),
+        "plan_outputs": [(o.key, o.path, tuple(o.axes)) for o in plan.outputs],
         "held_bytes": sum(dtensor_layouts.local_bytes(v) for v in variables),
         "plan_bytes": plan.bytes_per_device(),
         "total_bytes": plan.bytes_total(),
@@ -304,7 +310,8 @@ def _d2_output_placements(model):
     """d2 called, as in a step, on d1's output split by rows and columns.
 
     Unconstrained, its output would be a partial sum over `model`
-    (`Partial(sum)`); `d2/output = ("data", None)` makes it `Replicate()`.
+    (`Partial(sum)`), which the default finishes (`Replicate()`);
+    `d2/output = ("data", "model")` splits its columns (`Shard(1)`).
     """
     import torch
     from torch.distributed.tensor import DTensor, Shard

@@ -8,6 +8,7 @@ plain NumPy / Python values for the parent to compare.
 import os
 
 import numpy as np
+import split_probe
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -26,7 +27,12 @@ def make_data(n=1003, features=6, classes=3, seed=0):
 
 
 def make_model(distributed=True, batchnorm=False, seed=3, classes=3, features=6):
-    """A small model without dropout; optionally a DistributedModel."""
+    """A small model without dropout; optionally a DistributedModel.
+
+    A `split_probe.probe()` follows the Input (no variables: the weights
+    are those of the model without it), recording the rows each step of
+    this rank computed.
+    """
     keras = _keras()
     import keras_parallel
 
@@ -39,7 +45,8 @@ def make_model(distributed=True, batchnorm=False, seed=3, classes=3, features=6)
         base = Net
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((features,))
-    x = keras.layers.Dense(16, activation="tanh")(inputs)
+    x = split_probe.probe()(inputs)
+    x = keras.layers.Dense(16, activation="tanh")(x)
     if batchnorm:
         x = keras.layers.BatchNormalization()(x)
     x = keras.layers.Dense(8, activation="relu")(x)
@@ -97,6 +104,10 @@ def train(
     seed_by_rank=False,
 ):
     """Fits the small model; returns weights, history and rank info.
+
+    Also the rows this rank's train steps computed (`"split"`: the
+    `split_probe.records()` of fit; evaluate and predict run after it
+    without the callback of the "callback" door, whole on every rank).
 
     Args:
         door: "mixin" (DistributedModel) or "callback" (ShardingCallback).
@@ -167,6 +178,7 @@ def train(
         fit_kwargs["batch_size"] = batch_size
     if with_validation:
         fit_kwargs["validation_data"] = (x[:301], y[:301])
+    split_probe.clear()
     history = model.fit(
         **data,
         epochs=epochs,
@@ -175,6 +187,7 @@ def train(
         callbacks=callbacks,
         **fit_kwargs,
     )
+    split = split_probe.records()
     evaluation = model.evaluate(
         x, y, batch_size=batch_size, verbose=0, return_dict=True
     )
@@ -186,6 +199,7 @@ def train(
         "predictions": np.asarray(predictions),
         "step_logs": step_logs,
         "rank": int(os.environ.get("RANK", "0")),
+        "split": split,
     }
 
 
@@ -378,7 +392,8 @@ def chief_writes(directory):
     """Fits with progress, CSVLogger, ModelCheckpoint, then model.save.
 
     Returns what this rank printed and the files in `directory` after a
-    barrier (so rank 1 sees rank 0's files).
+    barrier (so rank 1 sees rank 0's files). Each rank names its CSV log
+    for itself (`log-<rank>.csv`): a rank that wrote would leave its own.
     """
     import contextlib
     import io
@@ -400,7 +415,9 @@ def chief_writes(directory):
             epochs=2,
             verbose=2,
             callbacks=[
-                keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+                keras.callbacks.CSVLogger(
+                    os.path.join(directory, f"log-{os.environ['RANK']}.csv")
+                ),
                 keras.callbacks.ModelCheckpoint(os.path.join(directory, "model.keras")),
             ],
         )

@@ -6,13 +6,16 @@ Every backend does the same three things in the same order (see
 own trainer runs `fit`, `evaluate` and `predict`. An executor only supplies
 what the trainer needs, through the hooks below, and holds no training loop.
 
-The collectives (`reduce`, `broadcast`, `barrier`) follow PyTorch Lightning's
+The collectives (`reduce`, `broadcast`, `barrier`, and
+`share_host_random_state` built on `broadcast`) follow PyTorch Lightning's
 habit: with one process they return their input and do nothing, so code that
-calls them needs no single-process branch.
+calls them needs no single-process branch. With several processes a backend
+must implement them: the defaults raise rather than act as identities.
 """
 
 import abc
 import contextlib
+import pickle
 
 
 class Executor(abc.ABC):
@@ -252,12 +255,54 @@ class Executor(abc.ABC):
         return self.process_index == 0
 
     def reduce(self, value, op="mean"):
-        """Reduces `value` across processes (`"mean"` or `"sum"`)."""
+        """Reduces `value` across processes (`"mean"` or `"sum"`).
+
+        Raises:
+            NotImplementedError: several processes run and this backend has
+                no reduction (never silently this process's value).
+        """
+        self._single_process_only("reduce")
         return value
 
     def broadcast(self, value, src=0):
-        """Returns process `src`'s `value` on every process."""
-        return value
+        """Returns process `src`'s `value` (picklable) on every process.
+
+        Backends implement `broadcast_bytes`; this pickles around it.
+        """
+        if self.num_processes == 1:
+            return value
+        payload = pickle.dumps(value) if self.process_index == src else b""
+        return pickle.loads(self.broadcast_bytes(payload, src))
+
+    def broadcast_bytes(self, payload, src=0):
+        """Returns process `src`'s `payload` (bytes) on every process.
+
+        Raises:
+            NotImplementedError: several processes run and this backend has
+                no broadcast.
+        """
+        self._single_process_only("broadcast")
+        return payload
 
     def barrier(self):
         """Waits until every process gets here."""
+        self._single_process_only("barrier")
+
+    def share_host_random_state(self):
+        """Gives every process process 0's host random state.
+
+        Keras's data adapters draw each epoch's shuffle from it: every
+        process must draw process 0's, the one a single process seeded as
+        process 0 would. A collective: every process calls it, at the same
+        point of the entry point.
+        """
+        if self.num_processes > 1:
+            self.set_host_random_state(self.broadcast(self.host_random_state()))
+
+    def _single_process_only(self, collective):
+        if self.num_processes > 1:
+            raise NotImplementedError(
+                f"The {self.backend} executor has no `{collective}` across "
+                f"processes. Received: {self.num_processes} processes; "
+                "report this as a keras_parallel bug."
+            )

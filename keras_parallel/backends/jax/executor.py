@@ -17,6 +17,7 @@ global. So this executor
 """
 
 import contextlib
+import functools
 
 import jax
 import keras
@@ -32,6 +33,7 @@ from keras_parallel.backends.jax.keras_compat import trainer as keras_jax_traine
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.keras_compat import Distribution
 from keras_parallel.plan import iter_planned_variables
+from keras_parallel.replacements import Replacements
 
 
 class PlannedDistribution(Distribution):
@@ -148,7 +150,7 @@ class JaxExecutor(Executor):
         moves = []
         # Place every value first and assign after: a failure leaves the
         # model's variables as they were.
-        for (variable, entry), value in zip(planned, values):
+        for (variable, entry), value in zip(planned, values, strict=True):
             layout = TensorLayout(entry.axes, mesh)
             moves.append(
                 (variable, layout, processes.place(value, layout.backend_layout))
@@ -165,13 +167,22 @@ class JaxExecutor(Executor):
     def planned_scope(self, model):
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(self._planned)
-        keras_jax_distribution_lib.distribute_data_input = distribute_batch
+        replacements = Replacements()
+        lib = keras_jax_distribution_lib
+        replacements.replace(
+            lib,
+            "distribute_data_input",
+            functools.partial(distribute_batch, previous=lib.distribute_data_input),
+        )
         if self._on_cpu():
-            keras_jax_trainer.jit = _jit_without_donation
+            jit = functools.partial(
+                _jit_without_donation, previous=keras_jax_trainer.jit
+            )
+            replacements.replace(keras_jax_trainer, "jit", jit)
         chief_only = None
         if processes.is_multi_process():
             # One shuffle for all processes: process 0's.
-            processes.share_host_random_state()
+            self.share_host_random_state()
             if not self.is_chief:
                 chief_only = ChiefOnlyCallbacks(collective_saving=True)
                 chief_only.install()
@@ -180,10 +191,7 @@ class JaxExecutor(Executor):
         finally:
             if chief_only is not None:
                 chief_only.uninstall()
-            keras_jax_trainer.jit = _keras_jit
-            keras_jax_distribution_lib.distribute_data_input = (
-                _keras_distribute_data_input
-            )
+            replacements.restore()
             keras.distribution.set_distribution(previous)
 
     def _on_cpu(self):
@@ -232,6 +240,16 @@ class JaxExecutor(Executor):
     def process_index(self):
         return jax.process_index()
 
+    def reduce(self, value, op="mean"):
+        total = processes.reduce_sum(value)
+        return total / self.num_processes if op == "mean" else total
+
+    def broadcast_bytes(self, payload, src=0):
+        return processes.broadcast_bytes(payload, src)
+
+    def barrier(self):
+        processes.barrier()
+
 
 def _laid_out_inputs(function):
     """Keras's predict step, its host (NumPy) inputs laid out as batches.
@@ -247,7 +265,9 @@ def _laid_out_inputs(function):
         if distribution is None or not isinstance(value, np.ndarray):
             return value
         layout = distribution.get_data_layout(value.shape)
-        return distribute_batch(value, layout, distribution.batch_dim_name)
+        return keras_jax_distribution_lib.distribute_data_input(
+            value, layout, distribution.batch_dim_name
+        )
 
     def step(state, iterator):
         batches = (keras.tree.map_structure(lay_out, batch) for batch in iterator)
@@ -294,10 +314,7 @@ def _optimizer_and_metric_variables(model):
     return variables + list(getattr(model, "metrics_variables", []))
 
 
-_keras_distribute_data_input = keras_jax_distribution_lib.distribute_data_input
-
-
-def distribute_batch(per_process_batch, layout, batch_dim_name):
+def distribute_batch(per_process_batch, layout, batch_dim_name, previous):
     """Keras's `distribute_data_input`, for batches of any size.
 
     Keras's JAX epoch iterator computes the data layout from the first batch
@@ -306,6 +323,8 @@ def distribute_batch(per_process_batch, layout, batch_dim_name):
     device sees the whole batch, the step computes exactly what one device
     would, and no sample is padded, dropped or repeated. It costs one extra
     compilation, which a batch of a new shape costs on one device too.
+
+    `previous` is the function this one replaced (Keras's).
     """
     sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
     spec = getattr(sharding, "spec", ())
@@ -322,13 +341,10 @@ def distribute_batch(per_process_batch, layout, batch_dim_name):
         # Every process holds the whole global batch (the same data, the
         # same shuffle); each transfers only its own devices' rows.
         return processes.place(per_process_batch, sharding)
-    return _keras_distribute_data_input(per_process_batch, sharding, batch_dim_name)
+    return previous(per_process_batch, sharding, batch_dim_name)
 
 
-_keras_jit = keras_jax_trainer.jit
-
-
-def _jit_without_donation(function, *args, donate_argnums=None, **kwargs):
+def _jit_without_donation(function, *args, previous, donate_argnums=None, **kwargs):
     """Keras's step `jit`, without donating the state's buffers.
 
     Keras donates the state to its compiled step so that an accelerator
@@ -337,6 +353,7 @@ def _jit_without_donation(function, *args, donate_argnums=None, **kwargs):
     at batch 512 here (at batch 64 the whole `fit` was faster donated, as it
     frees no state per step; docs/benchmarks.md), and the copy it saves
     lives in host memory. The guide's own loop does not donate.
-    Accelerators keep Keras's donation.
+    Accelerators keep Keras's donation. `previous` is the `jit` this one
+    replaced.
     """
-    return _keras_jit(function, *args, **kwargs)
+    return previous(function, *args, **kwargs)

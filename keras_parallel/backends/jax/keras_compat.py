@@ -7,6 +7,7 @@ shardings before keras_parallel lays them out).
 """
 
 from keras_parallel.keras_compat import find, internal
+from keras_parallel.replacements import Target
 
 #: `jit` compiles Keras's step; on CPU devices the executor replaces it, in
 #: scope, by one without buffer donation (`executor._jit_without_donation`).
@@ -27,6 +28,36 @@ numpy_conversion = (
     _backend if hasattr(_backend, "convert_to_numpy") else find(_backend, "ops")
 )
 find(numpy_conversion, "convert_to_numpy", "keras.src.backend(.ops)")
+
+#: What the JAX backend replaces, through `keras_parallel.replacements`.
+REPLACED = (
+    Target(
+        "keras.src.backend.jax.distribution_lib",
+        "distribute_data_input",
+        "a batch the data axis does not divide is laid out replicated "
+        "(Keras reuses the first batch's layout); across processes each "
+        "places its own rows (`executor.distribute_batch`)",
+    ),
+    Target(
+        "keras.src.backend.jax.trainer",
+        "jit",
+        "CPU devices: the step compiled without buffer donation "
+        "(`executor._jit_without_donation`)",
+    ),
+    *(
+        Target(
+            module,
+            "convert_to_numpy",
+            "across processes, saving reads the values every process gathered "
+            f"(`processes.gathered_for_saving`; Keras {version})",
+            optional=True,
+        )
+        for module, version in (
+            ("keras.src.backend", "3.15"),
+            ("keras.src.backend.ops", "3.16+"),
+        )
+    ),
+)
 
 #: Attributes of Keras objects the JAX backend reads or sets.
 OBJECT_ATTRIBUTES = {

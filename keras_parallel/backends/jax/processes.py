@@ -10,8 +10,9 @@ data. Four things then need the other processes:
 - `place`: an array every process holds whole (a weight, a global batch)
   laid out on the global mesh, each process transferring only the shards of
   its own devices: its rows of each global batch.
-- `share_host_random_state`: process 0's NumPy and Python random state on
-  every process, so that all draw the same shuffle.
+- `broadcast_bytes`, `reduce_sum`, `barrier`: the executor's collectives
+  (process 0's random state reaches every process through them, so that
+  all draw the same shuffle: `Executor.share_host_random_state`).
 - `fetch`: a global array's whole value on every process (predictions, and
   weights split over processes).
 
@@ -19,14 +20,13 @@ In one process each is what one process would do, without a collective.
 """
 
 import contextlib
-import pickle
-import random
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from keras_parallel.backends.jax import keras_compat
+from keras_parallel.replacements import replaced
 
 
 def is_multi_process():
@@ -65,30 +65,41 @@ def place(value, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def share_host_random_state():
-    """Gives every process process 0's NumPy and Python random state.
+def broadcast_bytes(payload, src=0):
+    """Process `src`'s `payload` (bytes) on every process: two broadcasts.
 
-    Keras's array iterator draws each epoch's permutation from NumPy's
-    global state, its PyDataset adapter from Python's: every process must
-    draw the same one, the one a single process seeded as process 0 would.
+    Args:
+        payload: the bytes to send (read on process `src` only).
+        src: the sending process.
+
+    Returns:
+        Process `src`'s bytes.
     """
     if not is_multi_process():
-        return
-    payload = pickle.dumps((np.random.get_state(), random.getstate()))
-    if len(payload) > _STATE_BYTES:
-        raise RuntimeError(f"random state of {len(payload)} bytes")
-    buffer = np.zeros(_STATE_BYTES, np.uint8)
-    buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
-    buffer, length = multihost_utils.broadcast_one_to_all(
-        (buffer, np.asarray(len(payload), np.int32))
+        return payload
+    is_source = jax.process_index() == src
+    length = multihost_utils.broadcast_one_to_all(
+        np.asarray(len(payload), np.int32), is_source=is_source
     )
-    numpy_state, python_state = pickle.loads(bytes(np.asarray(buffer)[: int(length)]))
-    np.random.set_state(numpy_state)
-    random.setstate(python_state)
+    buffer = np.zeros(int(length), np.uint8)
+    if is_source:
+        buffer[:] = np.frombuffer(payload, np.uint8)
+    buffer = multihost_utils.broadcast_one_to_all(buffer, is_source=is_source)
+    return np.asarray(buffer, np.uint8).tobytes()
 
 
-# NumPy's and Python's Mersenne states, pickled, fit well within this.
-_STATE_BYTES = 32768
+def reduce_sum(value):
+    """The sum over processes of `value` (a number or NumPy array)."""
+    if not is_multi_process():
+        return value
+    gathered = multihost_utils.process_allgather(np.asarray(value, np.float32))
+    return np.asarray(gathered).sum(axis=0)
+
+
+def barrier():
+    """Waits until every process gets here."""
+    if is_multi_process():
+        multihost_utils.sync_global_devices("keras_parallel")
 
 
 def fetch(value):
@@ -134,11 +145,8 @@ def gathered_for_saving(variables):
         found = gathered.get(id(x))
         return convert(x) if found is None else found
 
-    keras_backend.convert_to_numpy = convert_gathered
-    try:
+    with replaced({(keras_backend, "convert_to_numpy"): convert_gathered}):
         yield
-    finally:
-        keras_backend.convert_to_numpy = convert
 
 
 def check_same_plan(plan):

@@ -46,13 +46,10 @@ from keras_parallel.backends.tensorflow.keras_compat import (
 )
 from keras_parallel.backends.tensorflow.keras_compat import loss as keras_loss
 from keras_parallel.backends.tensorflow.keras_compat import trainer as keras_tf_trainer
+from keras_parallel.replacements import replaced
 
 _replica = threading.local()
 _key_bases = itertools.count(start=100_000, step=100_000)
-
-_keras_scale = keras_loss.scale_loss_for_distribution
-_keras_unscale = keras_loss.unscale_loss_for_distribution
-_keras_reduce_per_replica = keras_tf_trainer.reduce_per_replica
 
 
 class ExactRun:
@@ -186,33 +183,41 @@ def replica_share():
     return getattr(_replica, "share", None)
 
 
-def scale_loss(value):
+def exact_scale_loss(keras_scale):
     """Keras's `scale_loss_for_distribution`, weighted by the replica's samples.
 
     A replica's mean loss times `n / N`: summed over replicas (as the
     optimizer sums gradients), `sum(losses) / N`, the one-device mean.
-    Outside an exact replica it is Keras's function.
+    Outside an exact replica it is `keras_scale`, what was there before.
     """
-    share = replica_share()
-    if share is None:
-        return _keras_scale(value)
-    return value * tf.cast(share, value.dtype)
+
+    def scale_loss(value):
+        share = replica_share()
+        if share is None:
+            return keras_scale(value)
+        return value * tf.cast(share, value.dtype)
+
+    return scale_loss
 
 
-def unscale_loss(value):
-    """The inverse of `scale_loss`: a replica's own mean loss.
+def exact_unscale_loss(keras_unscale):
+    """The inverse of `exact_scale_loss`: a replica's own mean loss.
 
     Keras feeds this, with weight `n`, to the loss metric, whose state is
     summed over replicas: the metric reads the global mean. A replica with
     no sample (a batch smaller than the device count) gives 0 with weight 0.
     """
-    share = replica_share()
-    if share is None:
-        return _keras_unscale(value)
-    return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))
+
+    def unscale_loss(value):
+        share = replica_share()
+        if share is None:
+            return keras_unscale(value)
+        return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))
+
+    return unscale_loss
 
 
-def global_logs(model):
+def global_logs(model, keras_reduce_per_replica):
     """Keras's `reduce_per_replica`, with each step's logs made global.
 
     Keras averages the replicas' metric results, which on a 22/21 split is
@@ -231,15 +236,12 @@ def global_logs(model):
             metric_logs = model.get_metrics_result()
             if set(metric_logs) == set(values):
                 return metric_logs
-        return _keras_reduce_per_replica(values, strategy, reduction)
+        return keras_reduce_per_replica(values, strategy, reduction)
 
     return reduce_per_replica
 
 
-_keras_maybe_symbolic_build = TensorFlowTrainer._maybe_symbolic_build
-
-
-def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+def uneven_first_batch(keras_maybe_symbolic_build):
     """Keras's `_maybe_symbolic_build`, for a first batch that splits unevenly.
 
     Keras builds the model from the element-wise mean of the replicas' first
@@ -248,15 +250,16 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     build, so the first replica's batch serves: the same shapes Keras's mean
     gives when the split is even.
     """
-    strategy = self._distribute_strategy
-    if iterator is None or not isinstance(strategy, ExactRun):
-        return _keras_maybe_symbolic_build(self, iterator, data_batch)
-    for _, _, it in iterator:
-        _build_from_first_batch(self, strategy, it)
-        break
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if iterator is None or not isinstance(strategy, ExactRun):
+            return keras_maybe_symbolic_build(self, iterator, data_batch)
+        for _, _, it in iterator:
+            _build_from_first_batch(self, strategy, it)
+            break
 
-_keras_get_iterator = keras_tf_trainer.TFEpochIterator._get_iterator
+    return _maybe_symbolic_build
 
 
 def late_distribution(model):
@@ -343,14 +346,8 @@ def synchronized_batchnorm(model):
         for layer in model._flatten_layers(include_self=False, recursive=True)
         if isinstance(layer, BatchNormalization)
     ]
-    previous = [layer.synchronized for layer in layers]
-    for layer in layers:
-        layer.synchronized = True
-    try:
+    with replaced({(layer, "synchronized"): True for layer in layers}):
         yield
-    finally:
-        for layer, value in zip(layers, previous):
-            layer.synchronized = value
 
 
 @contextlib.contextmanager
@@ -358,20 +355,26 @@ def patched(model):
     """Keras's loss scaling and log reduction made exact, for this model.
 
     Entered around every entry point (see `TensorFlowExecutor.scope`); steps
-    traced inside it keep the exact versions.
+    traced inside it keep the exact versions. Each wraps what was there on
+    entry (Keras's, or an outer model's exact version).
     """
-    keras_loss.scale_loss_for_distribution = scale_loss
-    keras_loss.unscale_loss_for_distribution = unscale_loss
-    keras_tf_trainer.reduce_per_replica = global_logs(model)
-    trainer_class = TensorFlowTrainer
-    trainer_class._maybe_symbolic_build = _maybe_symbolic_build
-    keras_tf_trainer.TFEpochIterator._get_iterator = late_distribution(model)
-    try:
+    trainer, iterator = keras_tf_trainer, keras_tf_trainer.TFEpochIterator
+    with replaced(
+        {
+            (keras_loss, "scale_loss_for_distribution"): exact_scale_loss(
+                keras_loss.scale_loss_for_distribution
+            ),
+            (keras_loss, "unscale_loss_for_distribution"): exact_unscale_loss(
+                keras_loss.unscale_loss_for_distribution
+            ),
+            (trainer, "reduce_per_replica"): global_logs(
+                model, trainer.reduce_per_replica
+            ),
+            (TensorFlowTrainer, "_maybe_symbolic_build"): uneven_first_batch(
+                TensorFlowTrainer._maybe_symbolic_build
+            ),
+            (iterator, "_get_iterator"): late_distribution(model),
+        }
+    ):
         with synchronized_batchnorm(model):
             yield
-    finally:
-        keras_tf_trainer.TFEpochIterator._get_iterator = _keras_get_iterator
-        trainer_class._maybe_symbolic_build = _keras_maybe_symbolic_build
-        keras_tf_trainer.reduce_per_replica = _keras_reduce_per_replica
-        keras_loss.unscale_loss_for_distribution = _keras_unscale
-        keras_loss.scale_loss_for_distribution = _keras_scale

@@ -94,7 +94,7 @@ class TensorFlowExecutor(Executor):
         if not isinstance(distribution, DataParallel) or getattr(
             distribution, "_layout_map", None
         ):
-            raise NotImplementedError(
+            raise ShardingError(
                 "keras_parallel runs only DataParallel on the TensorFlow "
                 "backend (through tf.distribute.MirroredStrategy); "
                 "ModelParallel and other layouts of variables are available "
@@ -176,7 +176,7 @@ class TensorFlowExecutor(Executor):
         if workers is None:
             yield
             return
-        tf_workers.share_host_random_state(workers)
+        self.share_host_random_state()
         chief_only = None if self.is_chief else ChiefOnlyCallbacks()
         if chief_only is not None:
             chief_only.install()
@@ -205,6 +205,24 @@ class TensorFlowExecutor(Executor):
     def process_index(self):
         workers = _workers()
         return 0 if workers is None else workers.worker_index
+
+    def reduce(self, value, op="mean"):
+        workers = _workers()
+        if workers is None:
+            return value
+        total = tf_workers.sum_over_workers(workers, value)
+        return total / self.num_processes if op == "mean" else total
+
+    def broadcast_bytes(self, payload, src=0):
+        workers = _workers()
+        if workers is None:
+            return payload
+        return tf_workers.broadcast_bytes(workers, payload, src)
+
+    def barrier(self):
+        workers = _workers()
+        if workers is not None:
+            tf_workers.sum_over_workers(workers, 0.0)
 
     # ----------------------------------------------------------- helpers
     def _mesh_devices(self):

@@ -5,6 +5,7 @@ Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
 from keras_parallel.keras_compat import find, internal, internal_any
+from keras_parallel.replacements import Target
 
 #: Keras's TensorFlow trainer. Replaced in scope (`exact.patched`):
 #: `reduce_per_replica` (global logs), `TensorFlowTrainer._maybe_symbolic_build`
@@ -38,6 +39,62 @@ tree = internal("keras.src.tree", "flatten", "map_structure")
 BatchNormalization = internal(
     "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
 ).BatchNormalization
+
+#: What the TensorFlow backend replaces, through `keras_parallel.replacements`.
+REPLACED = (
+    Target(
+        "keras.src.losses.loss",
+        ("scale_loss_for_distribution", "unscale_loss_for_distribution"),
+        "each replica's loss weighted by its share of the batch: exact for "
+        "uneven batches (`exact.patched`)",
+    ),
+    Target(
+        "keras.src.backend.tensorflow.trainer",
+        "reduce_per_replica",
+        "each step's logs global, not the replicas' mean (`exact.patched`)",
+    ),
+    *(
+        Target(
+            f"keras.src.backend.tensorflow.trainer.{name}",
+            "_maybe_symbolic_build",
+            "a first batch that splits unevenly builds the model "
+            f"(`exact.patched`; Keras {version})",
+            optional=True,
+        )
+        for name, version in (("TensorFlowTrainer", "3.15"), ("Trainer", "3.16+"))
+    ),
+    Target(
+        "keras.src.backend.tensorflow.trainer.TFEpochIterator",
+        "_get_iterator",
+        "the data distributed under a strategy applied after the iterator "
+        "was made, an unbuilt model built before `predict` (`exact.patched`)",
+    ),
+    Target(
+        "keras.src.layers.normalization.batch_normalization.BatchNormalization",
+        "synchronized",
+        "global batch statistics (`exact.synchronized_batchnorm`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter",
+        "get_tf_dataset",
+        "across workers, the epoch's shuffle drawn from NumPy "
+        "(`workers.numpy_shuffles`)",
+    ),
+    Target(
+        "tensorflow.random",
+        "shuffle",
+        "across workers, NumPy's permutation, one shuffle for all "
+        "(`workers.numpy_shuffles`)",
+    ),
+    Target(
+        "tensorflow.python.distribute.collective_all_reduce_strategy."
+        "CollectiveAllReduceExtended",
+        "_initialize_local_devices",
+        "across workers, one replica per logical CPU device "
+        "(`workers.ExactMultiWorkerMirroredStrategy`)",
+    ),
+)
 
 #: Attributes of Keras objects the TensorFlow backend reads or sets.
 OBJECT_ATTRIBUTES = {

@@ -78,7 +78,7 @@ def move_variables(model, strategy=None):
     # Create every new variable first and swap after: if creating one fails,
     # the model still holds its old variables, all of them.
     created = [_recreate(v, strategy) for v in variables]
-    for variable, new in zip(variables, created):
+    for variable, new in zip(variables, created, strict=True):
         variable._value = new
     # The TensorFlow optimizer keys its per-variable state by the
     # `tf.Variable`'s id, which just changed.

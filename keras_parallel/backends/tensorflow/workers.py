@@ -13,17 +13,16 @@ and the strategy runs one replica on each (TensorFlow's own would use one
 CPU device per worker).
 
 What the workers must share besides the variables (which the strategy
-broadcasts from worker 0 when they are created under its scope):
-`share_host_random_state` gives every worker worker 0's NumPy and Python
-random state, and `numpy_shuffles` makes Keras draw its epoch permutation
-from NumPy, so that every worker cuts its rows from the same shuffle.
+broadcasts from worker 0 when they are created under its scope): worker
+0's NumPy and Python random state, through `broadcast_bytes`
+(`Executor.share_host_random_state`), and `numpy_shuffles` makes Keras draw
+its epoch permutation from NumPy, so that every worker cuts its rows from
+the same shuffle.
 """
 
 import contextlib
 import json
 import os
-import pickle
-import random
 
 import numpy as np
 import tensorflow as tf
@@ -32,6 +31,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
 from keras_parallel.launcher.tf_processes import DEVICES_ENV
+from keras_parallel.replacements import replaced
 
 _strategy = None
 
@@ -125,12 +125,9 @@ class ExactMultiWorkerMirroredStrategy(
 
     def __init__(self):
         extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
-        keras_local_devices = extended._initialize_local_devices
-        extended._initialize_local_devices = _every_cpu_device(keras_local_devices)
-        try:
+        local_devices = _every_cpu_device(extended._initialize_local_devices)
+        with replaced({(extended, "_initialize_local_devices"): local_devices}):
             super().__init__()
-        finally:
-            extended._initialize_local_devices = keras_local_devices
 
     @property
     def num_workers(self):
@@ -166,36 +163,48 @@ def worker_of(device):
     return 0
 
 
-# NumPy's and Python's Mersenne states, pickled, fit well within this.
-_STATE_BYTES = 32768
+def sum_over_workers(strategy, value, src=None):
+    """The sum over workers of `value`: one all-reduce.
 
+    Args:
+        strategy: the multi-worker strategy.
+        value: a NumPy array (or number), the same shape on every worker.
+        src: if given, only this worker contributes (a broadcast); else
+            every worker does, once (its first replica).
 
-def share_host_random_state(strategy):
-    """Gives every worker worker 0's NumPy and Python random state.
-
-    One all-reduce of `_STATE_BYTES` floats, to which only worker 0's first
-    replica contributes.
+    Returns:
+        A float64 NumPy array. Exact for integers below 2**24 (the values
+        travel as float32, which every device's all-reduce supports).
     """
-    payload = pickle.dumps((np.random.get_state(), random.getstate()))
-    if len(payload) + 4 > _STATE_BYTES:
-        raise RuntimeError(f"random state of {len(payload)} bytes")
-    buffer = np.zeros(_STATE_BYTES, np.float32)
-    buffer[:4] = np.frombuffer(len(payload).to_bytes(4, "little"), np.uint8)
-    buffer[4 : 4 + len(payload)] = np.frombuffer(payload, np.uint8)
-    zeros = np.zeros_like(buffer)
+    value = np.asarray(value, np.float32)
+    zeros = np.zeros_like(value)
+    per_worker = strategy.num_replicas_in_sync // strategy.num_workers
 
     def value_fn(context):
-        first = context.replica_id_in_sync_group == 0
-        return tf.constant(buffer if first else zeros)
+        replica = context.replica_id_in_sync_group
+        worker, first = divmod(replica, per_worker)
+        contributes = first == 0 and (src is None or worker == src)
+        return tf.constant(value if contributes else zeros)
 
     with strategy.scope():
         values = strategy.experimental_distribute_values_from_function(value_fn)
         total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
-    data = np.asarray(total.numpy(), np.float32).round().astype(np.uint8)
-    length = int.from_bytes(data[:4].tobytes(), "little")
-    numpy_state, python_state = pickle.loads(data[4 : 4 + length].tobytes())
-    np.random.set_state(numpy_state)
-    random.setstate(python_state)
+    return np.asarray(total.numpy(), np.float64)
+
+
+def broadcast_bytes(strategy, payload, src=0):
+    """Worker `src`'s `payload` (bytes) on every worker: two all-reduces.
+
+    The length first, then the bytes, each byte a float32 to which only
+    worker `src` contributes.
+    """
+    is_source = strategy.worker_index == src
+    length = int(sum_over_workers(strategy, len(payload) if is_source else 0, src))
+    buffer = np.zeros(length, np.uint8)
+    if is_source:
+        buffer[:] = np.frombuffer(payload, np.uint8)
+    data = sum_over_workers(strategy, buffer, src).round().astype(np.uint8)
+    return data.tobytes()
 
 
 def _numpy_shuffle(value, seed=None, name=None):
@@ -224,15 +233,8 @@ def numpy_shuffles(adapter_class):
     keras_get_tf_dataset = adapter_class.get_tf_dataset
 
     def get_tf_dataset(self):
-        tf_shuffle = tf.random.shuffle
-        tf.random.shuffle = _numpy_shuffle
-        try:
+        with replaced({(tf.random, "shuffle"): _numpy_shuffle}):
             return keras_get_tf_dataset(self)
-        finally:
-            tf.random.shuffle = tf_shuffle
 
-    adapter_class.get_tf_dataset = get_tf_dataset
-    try:
+    with replaced({(adapter_class, "get_tf_dataset"): get_tf_dataset}):
         yield
-    finally:
-        adapter_class.get_tf_dataset = keras_get_tf_dataset

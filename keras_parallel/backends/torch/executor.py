@@ -26,7 +26,6 @@ one that splits only the batch (`(4, 1)`) runs as DataParallel on DDP.
 """
 
 import contextlib
-import random
 
 import numpy as np
 import torch
@@ -232,7 +231,7 @@ class TorchExecutor(Executor):
             return
         installed = []
         try:
-            self._sync_random_state()
+            self.share_host_random_state()
             for part in self._scope_parts(model):
                 part.install()
                 installed.append(part)
@@ -262,15 +261,6 @@ class TorchExecutor(Executor):
         if not self.is_chief:
             parts.append(ChiefOnlyCallbacks())
         return parts
-
-    def _sync_random_state(self):
-        # One shuffle for all: the data loaders draw their permutation from
-        # the global random state, so every rank continues from rank 0's.
-        state = [torch.get_rng_state(), np.random.get_state(), random.getstate()]
-        state = self.broadcast(state)
-        torch.set_rng_state(state[0])
-        np.random.set_state(state[1])
-        random.setstate(state[2])
 
     def release(self, model):
         if self._mesh_runner is not None:

@@ -5,6 +5,7 @@ Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
 from keras_parallel.keras_compat import internal
+from keras_parallel.replacements import Target
 
 #: Keras's torch trainer module. Up to 3.15 its class is `TorchTrainer`;
 #: from 3.16 (keras-nightly) it is `Trainer`, wraps the model in its own DDP
@@ -56,13 +57,60 @@ OBJECT_ATTRIBUTES = {
     # DTensor parameter; `_layout` tells Keras 3.16's `_direct_assign` how
     # to redistribute assigned values.
     "keras.Variable": ("_value", "_layout"),
-    # BatchNormalization's batch statistics, made global by `sync_bn`.
-    "keras.layers.BatchNormalization": ("_moments", "_reduction_axes"),
+    # The axes BatchNormalization's batch statistics reduce (`sync_bn`).
+    "keras.layers.BatchNormalization": ("_reduction_axes",),
     # Model._flatten_layers walks nested layers (sync BN, ModelParallel);
     # `_track_variables` re-registers a layer's `_torch_params` after its
     # variables' values became DTensors (`dtensor_layouts.retrack`).
     "keras.Model": ("_flatten_layers", "_torch_params", "_track_variables"),
 }
+
+#: What the torch backend replaces while an entry point runs, through
+#: `keras_parallel.replacements`.
+REPLACED = (
+    Target(
+        "keras.src.callbacks.callback_list.CallbackList",
+        ("on_train_begin", "on_test_begin"),
+        "choose when step logs are made global (`step_logs.py`)",
+    ),
+    Target(
+        "keras.src.models.model.Model",
+        ("train_step", "test_step", "predict_step", "get_metrics_result"),
+        "per-rank steps and global metrics (`steps.py`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.models.model.Model",
+        "call",
+        "forward pass through DDP (`steps.py`) or on DTensors "
+        "(`mesh_steps.py`), for one step",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.optimizers.optimizer.Optimizer",
+        "apply",
+        "gradients redistributed to their variables' placements (`mesh_steps.py`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.layers.layer.Layer",
+        "call",
+        "layer outputs laid out as planned (`output_constraints.py`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.layers.attention.multi_head_attention.MultiHeadAttention",
+        "_compute_attention",
+        "attention on query, key and value split alike (`output_constraints.py`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.layers.normalization.batch_normalization.BatchNormalization",
+        "_moments",
+        "global batch statistics (`sync_bn.py`)",
+        on_instances=True,
+    ),
+)
 
 
 def local_metrics_result(model):

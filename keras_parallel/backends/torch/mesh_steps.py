@@ -42,6 +42,7 @@ from keras_parallel.backends.torch.output_constraints import (
     OutputConstraints,
 )
 from keras_parallel.backends.torch.steps import RankSteps
+from keras_parallel.replacements import replaced
 
 
 class MeshSteps(RankSteps):
@@ -127,13 +128,9 @@ class MeshSteps(RankSteps):
         # layer draws it in the global shape): no per-rank random stream.
         return contextlib.nullcontext()
 
-    def _route_call(self, on):
-        if on:
-            object.__setattr__(self.model, "call", self._routed_call)
-        elif self._saved.get("call") is None:
-            self.model.__dict__.pop("call", None)
-        else:
-            object.__setattr__(self.model, "call", self._saved["call"])
+    def _needs_route(self):
+        # The rows enter `call` as DTensors: every routed step goes through.
+        return True
 
     def sync_non_trainable(self):
         # DTensor variables are one value on the mesh: nothing to agree on.
@@ -216,22 +213,17 @@ def reduced_gradients(optimizer):
     Args:
         optimizer: the model's Keras optimizer.
     """
-    own = optimizer.__dict__.get("apply")
     apply = optimizer.apply
 
     def apply_reduced(grads, trainable_variables=None):
         if trainable_variables is not None:
-            grads = [_reduced(g, v) for g, v in zip(grads, trainable_variables)]
+            grads = [
+                _reduced(g, v) for g, v in zip(grads, trainable_variables, strict=True)
+            ]
         return apply(grads, trainable_variables)
 
-    object.__setattr__(optimizer, "apply", apply_reduced)
-    try:
+    with replaced({(optimizer, "apply"): apply_reduced}):
         yield
-    finally:
-        if own is None:
-            optimizer.__dict__.pop("apply", None)
-        else:
-            object.__setattr__(optimizer, "apply", own)
 
 
 def _reduced(grad, variable):

@@ -40,7 +40,7 @@ def splits_model(distribution):
     mesh = distribution.device_mesh
     return any(
         int(size) > 1
-        for name, size in zip(mesh.axis_names, mesh.shape)
+        for name, size in zip(mesh.axis_names, mesh.shape, strict=True)
         if name != distribution.batch_dim_name
     )
 

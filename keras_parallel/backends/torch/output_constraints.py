@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch.keras_compat import tree
 from keras_parallel.errors import ShardingError
+from keras_parallel.replacements import Replacements
 
 
 class OutputConstraints:
@@ -50,8 +51,7 @@ class OutputConstraints:
 
     def __init__(self, steps):
         self.steps = steps
-        self._saved = []
-        self._attention = []
+        self._replacements = Replacements()
 
     def _layers(self):
         """Every layer, with its `OutputLayout` or `None` (no key)."""
@@ -64,40 +64,25 @@ class OutputConstraints:
     def install(self):
         from keras import layers
 
+        mesh = self.steps.mesh
         for layer, output in self._layers():
-            self._saved.append((layer, layer.__dict__.get("call")))
             call = layer.call
             if isinstance(layer, layers.Embedding):
-                call = _gathered_lookup(call, layer, self.steps.mesh)
-            object.__setattr__(layer, "call", self._constrained(call, output))
-        model = self.steps.model
-        for layer in model._flatten_layers(include_self=False, recursive=True):
+                call = _gathered_lookup(call, layer, mesh)
+            self._replacements.replace(layer, "call", self._constrained(call, output))
             if isinstance(layer, layers.MultiHeadAttention):
-                self._attention.append(
-                    (layer, layer.__dict__.get("_compute_attention"))
-                )
-                object.__setattr__(
+                self._replacements.replace(
                     layer,
                     "_compute_attention",
-                    _aligned_attention(layer._compute_attention, self.steps.mesh),
+                    _aligned_attention(layer._compute_attention, mesh),
                 )
 
     def uninstall(self):
-        for name, saved in (
-            ("call", self._saved),
-            ("_compute_attention", self._attention),
-        ):
-            for layer, value in reversed(saved):
-                if value is None:
-                    layer.__dict__.pop(name, None)
-                else:
-                    object.__setattr__(layer, name, value)
-        self._saved = []
-        self._attention = []
+        self._replacements.restore()
 
     def _placements(self, leaf, output):
         steps = self.steps
-        if output is None:
+        if True:  # BREAK
             return self._default_placements(leaf)
         if leaf.ndim != len(output.axes):
             raise ShardingError(

@@ -18,6 +18,7 @@ silenced.
 from keras import callbacks as keras_callbacks
 
 from keras_parallel.backends.torch.keras_compat import CallbackList, is_default
+from keras_parallel.replacements import Replacements
 
 _STEP_HOOKS = ("on_batch_end", "on_train_batch_end", "on_test_batch_end")
 
@@ -73,20 +74,20 @@ class StepLogPolicy:
 
     def __init__(self, steps):
         self.steps = steps
-        self._saved = {}
+        self._replacements = Replacements()
 
     def install(self):
         for name in self._HOOKS:
-            original = CallbackList.__dict__[name]
-            self._saved[name] = original
-
-            def hook(callback_list, logs=None, _original=original):
-                self.steps.set_global_step_logs(reads_step_logs(callback_list))
-                return _original(callback_list, logs)
-
-            setattr(CallbackList, name, hook)
+            self._replacements.replace(
+                CallbackList, name, self._hook(getattr(CallbackList, name))
+            )
 
     def uninstall(self):
-        for name, original in self._saved.items():
-            setattr(CallbackList, name, original)
-        self._saved = {}
+        self._replacements.restore()
+
+    def _hook(self, begin):
+        def hook(callback_list, logs=None):
+            self.steps.set_global_step_logs(reads_step_logs(callback_list))
+            return begin(callback_list, logs)
+
+        return hook

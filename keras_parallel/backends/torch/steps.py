@@ -50,6 +50,7 @@ from keras_parallel.backends.torch.batches import (
 )
 from keras_parallel.backends.torch.keras_compat import local_metrics_result, tree
 from keras_parallel.backends.torch.random_stream import RankRandomStream
+from keras_parallel.replacements import Replacements
 
 
 class DDPModule(torch.nn.Module):
@@ -92,15 +93,14 @@ class RankSteps:
         rank: this rank.
     """
 
-    _ATTRS = ("train_step", "test_step", "predict_step", "get_metrics_result")
-
     def __init__(self, model, ddp, world_size, rank):
         self.model = model
         self.ddp = ddp
         self.world_size = world_size
         self.rank = rank
         self._installed = False
-        self._saved = {}
+        self._replacements = Replacements()
+        self._call_route = Replacements()  # `call`, for one step.
         self._own_call = None
         self._grad_scale = 1.0
         self._pending = None  # Metric states when last made global, flat.
@@ -120,27 +120,14 @@ class RankSteps:
         if self._installed:
             return
         model = self.model
-        for name in self._ATTRS + ("call",):
-            self._saved[name] = model.__dict__.get(name)
         self._own_call = model.call
-        originals = {
-            "train_step": model.train_step,
-            "test_step": model.test_step,
-            "predict_step": model.predict_step,
-        }
         self._original_metrics_result = local_metrics_result(model)
-        # object.__setattr__: Keras's and torch's __setattr__ would track or
-        # register these functions; they are plain per-instance overrides.
-        object.__setattr__(
-            model, "train_step", self._wrap(originals["train_step"], "train")
-        )
-        object.__setattr__(
-            model, "test_step", self._wrap(originals["test_step"], "test")
-        )
-        object.__setattr__(
-            model, "predict_step", self._wrap(originals["predict_step"], "predict")
-        )
-        object.__setattr__(model, "get_metrics_result", self._metrics_result)
+        for kind in ("train", "test", "predict"):
+            name = f"{kind}_step"
+            self._replacements.replace(
+                model, name, self._wrap(getattr(model, name), kind)
+            )
+        self._replacements.replace(model, "get_metrics_result", self._metrics_result)
         self._step = 0
         # Until a run's callbacks say otherwise (train_on_batch has none,
         # and returns its logs to the user): global logs at every step.
@@ -150,12 +137,8 @@ class RankSteps:
     def uninstall(self):
         if not self._installed:
             return
-        for name, value in self._saved.items():
-            if value is None:
-                self.model.__dict__.pop(name, None)
-            else:
-                object.__setattr__(self.model, name, value)
-        self._saved = {}
+        self._call_route.restore()
+        self._replacements.restore()
         self._installed = False
 
     def set_global_step_logs(self, on):
@@ -264,17 +247,15 @@ class RankSteps:
         """What is in force while one step runs: the rank's random stream."""
         return self._random_stream if kind == "train" else contextlib.nullcontext()
 
+    def _needs_route(self):
+        """Whether routing changes anything: DDP, or a scaled gradient."""
+        return self.ddp is not None or self._grad_scale != 1.0
+
     def _route_call(self, on):
-        model = self.model
         if not on:
-            if self._saved.get("call") is None:
-                model.__dict__.pop("call", None)
-            else:
-                object.__setattr__(model, "call", self._saved["call"])
-            return
-        if self.ddp is None and self._grad_scale == 1.0:
-            return
-        object.__setattr__(model, "call", self._routed_call)
+            self._call_route.restore()
+        elif self._needs_route():
+            self._call_route.replace(self.model, "call", self._routed_call)
 
     def _routed_call(self, *args, **kwargs):
         # Keras's Layer.__call__ looks `call` up on the instance: this sends
@@ -350,7 +331,7 @@ class RankSteps:
             padded[: t.shape[0]] = t
             parts = [torch.empty_like(padded) for _ in range(self.world_size)]
             dist.all_gather(parts, padded.contiguous())
-            return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+            return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
         return tree.map_structure(gather, outputs)
 

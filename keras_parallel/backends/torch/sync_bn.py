@@ -15,6 +15,8 @@ import torch
 import torch.distributed.nn.functional as dist_fn
 from keras import layers
 
+from keras_parallel.replacements import Replacements
+
 
 def batchnorm_layers(model):
     """Every Keras `BatchNormalization` layer of the model."""
@@ -74,17 +76,11 @@ class SyncBatchNorm:
 
     def __init__(self, model):
         self.model = model
-        self._saved = []
+        self._replacements = Replacements()
 
     def install(self):
         for layer in batchnorm_layers(self.model):
-            self._saved.append((layer, layer.__dict__.get("_moments")))
-            object.__setattr__(layer, "_moments", global_moments(layer))
+            self._replacements.replace(layer, "_moments", global_moments(layer))
 
     def uninstall(self):
-        for layer, value in self._saved:
-            if value is None:
-                layer.__dict__.pop("_moments", None)
-            else:
-                object.__setattr__(layer, "_moments", value)
-        self._saved = []
+        self._replacements.restore()

@@ -8,6 +8,7 @@ training to float32 rounding, while the variables really span the devices.
 import keras
 import numpy as np
 import pytest
+import split_probe
 from builders import (
     dense_model,
     max_relative_difference,
@@ -41,9 +42,15 @@ def train(model, x, y, batch_size=64, epochs=1, optimizer="sgd", **compile_kwarg
 
 
 def single_device_weights(x, y, batchnorm=False, **kwargs):
-    model = dense_model(keras.Model, batchnorm=batchnorm)
+    model = dense_model(keras.Model, batchnorm=batchnorm, probe=True)
     history = train(model, x, y, **kwargs)
+    split_probe.clear()  # What one device saw: not a split.
     return weights_of(model), history
+
+
+def assert_split(ways, batch_size=64):
+    """Every step since the last `split_probe.clear()` split its batch."""
+    split_probe.assert_divided(split_probe.records(), batch_size, ways)
 
 
 def model_parallel(mesh_shape, output_key="d2/output"):
@@ -66,9 +73,10 @@ def test_eight_devices_are_simulated():
 def test_data_parallel_one_step_equals_one_device_with_batchnorm():
     x, y = regression_data(64)
     expected, _ = single_device_weights(x, y, batchnorm=True)
-    model = dense_model(Net, batchnorm=True)
+    model = dense_model(Net, batchnorm=True, probe=True)
     train(model, x, y, distribution=keras_parallel.DataParallel())
     assert max_relative_difference(expected, weights_of(model)) < 1e-5
+    assert_split(8)
     kernel = model.get_layer("d1").kernel.value
     assert len(kernel.sharding.device_set) == 8
     assert kernel.sharding.spec == P(None, None)
@@ -77,9 +85,11 @@ def test_data_parallel_one_step_equals_one_device_with_batchnorm():
 def test_data_parallel_ten_steps_equal_one_device():
     x, y = regression_data(640)
     expected, expected_history = single_device_weights(x, y)
-    model = dense_model(Net)
+    model = dense_model(Net, probe=True)
     history = train(model, x, y, distribution=keras_parallel.DataParallel())
     assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    assert_split(8)
+    assert set(history.history) == set(expected_history.history)
     np.testing.assert_allclose(
         history.history["loss"], expected_history.history["loss"], rtol=1e-5
     )
@@ -90,13 +100,15 @@ def test_uneven_epoch_equals_one_device_with_batchnorm():
     # a data axis of 4. Padding it would change the BatchNorm statistics.
     x, y = regression_data(1003)
     expected, _ = single_device_weights(x, y, batchnorm=True)
-    model = dense_model(Net, batchnorm=True)
+    model = dense_model(Net, batchnorm=True, probe=True)
     train(model, x, y, distribution=keras_parallel.DataParallel())
     assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    assert_split(8)
+    split_probe.clear()
     mesh = keras.distribution.DeviceMesh((4, 2), ["data", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["d1/kernel"] = (None, "model")
-    model = dense_model(Net, batchnorm=True)
+    model = dense_model(Net, batchnorm=True, probe=True)
     train(
         model,
         x,
@@ -106,15 +118,17 @@ def test_uneven_epoch_equals_one_device_with_batchnorm():
         ),
     )
     assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    assert_split(4)
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1), (4, 2), (2, 4), (1, 8)])
 def test_model_parallel_equals_one_device(mesh_shape):
     x, y = regression_data(640)
     expected, _ = single_device_weights(x, y, optimizer="adam")
-    model = dense_model(Net)
+    model = dense_model(Net, probe=True)
     train(model, x, y, optimizer="adam", distribution=model_parallel(mesh_shape))
     assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    assert_split(mesh_shape[0])  # Over the "data" axis.
     # The variables really are split as the LayoutMap says...
     kernel = model.get_layer("d1").kernel.value
     assert kernel.sharding.spec == P(None, "model")
@@ -133,9 +147,10 @@ def test_model_parallel_equals_one_device(mesh_shape):
 def test_model_parallel_first_step_equals_one_device_with_batchnorm():
     x, y = regression_data(64)
     expected, _ = single_device_weights(x, y, batchnorm=True)
-    model = dense_model(Net, batchnorm=True)
+    model = dense_model(Net, batchnorm=True, probe=True)
     train(model, x, y, distribution=model_parallel((2, 4)))
     assert max_relative_difference(expected, weights_of(model)) < 1e-5
+    assert_split(2)
 
 
 def test_output_constraint_is_in_the_lowered_train_step():
@@ -220,8 +235,9 @@ def test_model_trained_before_the_distribution_continues_exactly():
     x, y = regression_data(128)
     reference = dense_model(keras.Model)
     train(reference, x, y, epochs=2)
-    model = dense_model(Net)
+    model = dense_model(Net, probe=True)
     train(model, x, y)  # one epoch on one device, optimizer built
+    split_probe.clear()
     model.compile(
         optimizer=model.optimizer,
         loss="mse",
@@ -229,6 +245,7 @@ def test_model_trained_before_the_distribution_continues_exactly():
     )
     model.fit(x, y, batch_size=64, shuffle=False, verbose=0)
     assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-5
+    assert_split(8)
     assert len(model.get_layer("d1").kernel.value.sharding.device_set) == 8
 
 
@@ -248,7 +265,8 @@ def test_evaluate_predict_and_on_batch_methods_match_one_device():
     x, y = regression_data(200)
     reference = dense_model(keras.Model)
     reference.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-    model = dense_model(Net)
+    model = dense_model(Net, probe=True)
+    split_probe.clear()
     model.compile(
         optimizer="sgd",
         loss="mse",
@@ -283,6 +301,7 @@ def test_evaluate_predict_and_on_batch_methods_match_one_device():
         rtol=1e-5,
     )
     assert max_relative_difference(weights_of(reference), weights_of(model)) < 1e-5
+    assert_split(4)  # The "data" axis of (4, 2), in every entry point.
     assert keras.distribution.distribution() is None
 
 
@@ -298,7 +317,8 @@ def test_validation_data_inside_fit():
         shuffle=False,
         verbose=0,
     )
-    model = dense_model(Net)
+    model = dense_model(Net, probe=True)
+    split_probe.clear()
     model.compile(
         optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
     )
@@ -310,6 +330,8 @@ def test_validation_data_inside_fit():
         shuffle=False,
         verbose=0,
     )
+    assert_split(8)
+    assert set(history.history) == set(expected.history)
     np.testing.assert_allclose(
         history.history["val_loss"], expected.history["val_loss"], rtol=1e-5
     )
