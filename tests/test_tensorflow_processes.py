@@ -79,21 +79,34 @@ def global_batches(infos, case):
     return [sorted(a + b) for a, b in zip(*steps, strict=True)]
 
 
-def one_device(case, batches):
-    """Single-device training over the same global batches, in order."""
-    model = script.build(seed=1, distributed=False)  # Worker 0's seed.
+@pytest.fixture(scope="module")
+def one_device():
+    """Each case trained on one device from the data, not from the run.
+
+    `{case: (model, rows of each global batch)}`. The one step takes the
+    first 64 rows; the shuffled epoch takes them in the order the workers
+    must draw: worker 0's NumPy permutation (`build` seeds NumPy with
+    `keras.utils.set_random_seed(1)`; across workers Keras's shuffle is
+    NumPy's, `workers.numpy_shuffles`), the second one drawn: under a
+    strategy Keras opens the epoch's data set twice, a first batch for its
+    symbolic build (`_maybe_symbolic_build`), then the epoch, each drawing
+    a permutation. Nothing the workers reported goes in, so rows they
+    skipped, computed twice or ordered otherwise show.
+    """
     x, y = script.data()
-    order = np.concatenate(batches)
-    model.fit(
-        x[order],
-        y[order],
-        batch_size=64,
-        epochs=1,
-        steps_per_epoch=1 if case == "one_step" else None,
-        shuffle=False,
-        verbose=0,
-    )
-    return model
+    out = {}
+    for case in CASES:
+        model = script.build(seed=1, distributed=False)  # Worker 0's seed.
+        if case == "one_step":
+            order = np.arange(64)
+        else:
+            worker_0 = np.random.RandomState(1)
+            worker_0.permutation(len(x))  # The symbolic build's.
+            order = worker_0.permutation(len(x))
+        model.fit(x[order], y[order], batch_size=64, shuffle=False, verbose=0)
+        batches = [order[i : i + 64].tolist() for i in range(0, len(order), 64)]
+        out[case] = model, batches
+    return out
 
 
 def max_rel(a_weights, b_weights):
@@ -106,12 +119,12 @@ def max_rel(a_weights, b_weights):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_weights_equal_one_device_on_every_worker(launched, case):
-    directory, infos, _ = launched
+def test_weights_equal_one_device_on_every_worker(launched, one_device, case):
+    directory, _, _ = launched
     first, second = weights(directory, case, 0), weights(directory, case, 1)
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)  # Every worker: one model.
-    reference = one_device(case, global_batches(infos, case))
+    reference, _ = one_device[case]
     tolerance = 1e-5 if case == "one_step" else 1e-4
     assert max_rel(first, reference.get_weights()) < tolerance
     initial = script.build(seed=1, distributed=False).get_weights()
@@ -119,10 +132,12 @@ def test_weights_equal_one_device_on_every_worker(launched, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_each_worker_computes_only_its_rows(launched, case):
+def test_each_worker_computes_only_its_rows(launched, one_device, case):
     _, infos, _ = launched
     rows = [info[case]["rows"] for info in infos]
     batches = global_batches(infos, case)
+    # The workers' global batches are one device's, step by step.
+    assert batches == [sorted(b) for b in one_device[case][1]]
     if case == "one_step":
         assert batches == [list(range(64))]
     else:
@@ -137,9 +152,9 @@ def test_each_worker_computes_only_its_rows(launched, case):
     assert infos[0][case]["loss"] == infos[1][case]["loss"]
 
 
-def test_predict_and_evaluate_are_whole_on_every_worker(launched):
+def test_predict_and_evaluate_are_whole_on_every_worker(launched, one_device):
     directory, infos, _ = launched
-    model = one_device("epoch", global_batches(infos, "epoch"))
+    model, _ = one_device["epoch"]
     x, y = script.data()
     expected = model.predict(x[:203], batch_size=64, verbose=0)
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
