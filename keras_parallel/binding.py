@@ -11,6 +11,7 @@ import contextlib
 from keras_parallel import report
 from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.backup import ExactBackups
+from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.plan import check_distribution, variables_signature
 
 
@@ -100,7 +101,7 @@ class Binding:
                 continue
             kind = name.split("_")[0]
             wrapped = self.executor.wrap_step(function, kind=kind)
-            if self.plan is None:
+            if kind == "predict" and self.plan is None:
                 wrapped = self._planned_at_first_step(model, wrapped, kind)
             if wrapped is not function:
                 wrapped._kp_wrapped = True
@@ -118,7 +119,7 @@ class Binding:
         """
 
         def step(*args, **kwargs):
-            if self.plan is None and self.active and not model.built:
+            if self.plan is None and self.active and not is_built(model):
                 inputs = self.executor.step_inputs(kind, args)
                 if inputs is not None:
                     build_from_inputs(model, inputs)
@@ -197,19 +198,3 @@ class Binding:
             self.executor.release(model)
         self.plan = None
         self._signature = None
-
-
-def build_from_inputs(model, inputs):
-    """Builds `model` by calling it on symbolic tensors shaped like `inputs`.
-
-    Args:
-        model: an unbuilt `keras.Model`.
-        inputs: a batch of the model's inputs (arrays or tensors, nested).
-    """
-    import keras
-
-    def spec(value):
-        shape = (None,) + tuple(value.shape)[1:]
-        return keras.KerasTensor(shape, keras.backend.standardize_dtype(value.dtype))
-
-    model(keras.tree.map_structure(spec, inputs))

@@ -11,6 +11,8 @@ import os
 import numpy as np
 import split_probe
 
+from keras_parallel.model import _ENTRY_POINTS as DISTRIBUTED_ENTRY_POINTS
+
 FEATURES = 8
 OUTPUTS = 4
 #: The global batch every first call uses; every test's device count divides it.
@@ -23,14 +25,8 @@ FORMS = (
     "subclassed",
     "nested",
 )
-ENTRY_POINTS = (
-    "fit",
-    "evaluate",
-    "predict",
-    "train_on_batch",
-    "test_on_batch",
-    "predict_on_batch",
-)
+#: Every entry point `DistributedModel` distributes.
+ENTRY_POINTS = DISTRIBUTED_ENTRY_POINTS
 #: `*_on_batch` calls no callback: the callback door serves these.
 CALLBACK_ENTRY_POINTS = ("fit", "evaluate", "predict")
 

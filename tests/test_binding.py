@@ -169,3 +169,26 @@ def test_an_error_inside_fit_reaches_the_executor_scope_as_an_error(monkeypatch)
     model.fit(x, y, batch_size=64, verbose=0)
     assert seen[1] == "ended normally"
     assert not model._kp_binding.active
+
+
+@jax_only
+def test_a_plan_scope_that_fails_to_enter_leaves_nothing_installed(monkeypatch):
+    from keras_parallel.keras_compat import EpochIterator
+
+    x, y = regression_data(64)
+    model = dense_model(Net)
+    model.compile(
+        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+    )
+    keras_init = vars(EpochIterator)["__init__"]
+
+    def failing(model):
+        raise RuntimeError("planned scope failed")
+
+    monkeypatch.setattr(model._kp_binding.executor, "planned_scope", failing)
+    with pytest.raises(RuntimeError, match="planned scope failed"):
+        model.fit(x, y, batch_size=64, verbose=0)
+    # The entry point's own scope (exact backups) was left as well.
+    assert vars(EpochIterator)["__init__"] is keras_init
+    assert not model._kp_binding.active
+    assert keras.distribution.distribution() is None

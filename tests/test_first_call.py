@@ -85,12 +85,7 @@ def _launch_first_calls(num_processes, selected, model_parallel=False):
 def test_first_call_splits_the_batch_over_torch_ranks():
     selected = model_forms.cases()
     per_rank = _launch_first_calls(2, selected)
-    for i, case in enumerate(selected):
-        for rank, recorded in enumerate(per_rank):
-            try:
-                split_probe.assert_divided(recorded[i], model_forms.BATCH, 2)
-            except AssertionError as error:
-                raise AssertionError(f"{case} on rank {rank}: {error}") from None
+    _assert_every_rank_divided(selected, per_rank, ways=2)
 
 
 @torch_only
@@ -98,9 +93,13 @@ def test_first_fit_under_torch_model_parallel_splits_the_batch():
     selected = [(form, "mixin", "fit") for form in model_forms.FORMS]
     selected += [(form, "callback", "fit") for form in model_forms.FORMS]
     per_rank = _launch_first_calls(4, selected, model_parallel=True)
+    _assert_every_rank_divided(selected, per_rank, ways=2)  # A (2, 2) mesh.
+
+
+def _assert_every_rank_divided(selected, per_rank, ways):
     for i, case in enumerate(selected):
         for rank, recorded in enumerate(per_rank):
             try:
-                split_probe.assert_divided(recorded[i], model_forms.BATCH, 2)
+                split_probe.assert_divided(recorded[i], model_forms.BATCH, ways)
             except AssertionError as error:
                 raise AssertionError(f"{case} on rank {rank}: {error}") from None

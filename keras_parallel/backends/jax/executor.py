@@ -261,8 +261,10 @@ def _laid_out_inputs(function):
     """
 
     def lay_out(value):
+        if not isinstance(value, np.ndarray):
+            return value  # Laid out already (`predict`), or not an array.
         distribution = keras.distribution.distribution()
-        if distribution is None or not isinstance(value, np.ndarray):
+        if distribution is None:
             return value
         layout = distribution.get_data_layout(value.shape)
         return keras_jax_distribution_lib.distribute_data_input(

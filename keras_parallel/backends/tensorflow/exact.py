@@ -46,6 +46,7 @@ from keras_parallel.backends.tensorflow.keras_compat import (
 )
 from keras_parallel.backends.tensorflow.keras_compat import loss as keras_loss
 from keras_parallel.backends.tensorflow.keras_compat import trainer as keras_tf_trainer
+from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.replacements import replaced
 
 _replica = threading.local()
@@ -305,31 +306,9 @@ def _build_from_first_batch(model, strategy, iterator):
     with strategy.scope():
         if len(batch) < 2:
             # A predict batch (its inputs only): no loss or metric to build.
-            build_for_prediction(model, batch[0])
+            build_from_inputs(model, batch[0])
         else:
             model._symbolic_build(data_batch=batch)
-
-
-def is_built(model):
-    """Whether the model and every layer in it is built."""
-    return model.built and all(
-        layer.built for layer in model._flatten_layers(include_self=False)
-    )
-
-
-def build_for_prediction(model, x):
-    """Builds an unbuilt model from a batch's inputs (`x`), symbolically.
-
-    Called under the strategy's scope, so its variables are mirrored.
-    """
-    if is_built(model):
-        return
-    import keras
-
-    specs = tree.map_structure(
-        lambda v: keras.KerasTensor(tuple(v.shape), v.dtype.name), x
-    )
-    model(specs)
 
 
 @contextlib.contextmanager
