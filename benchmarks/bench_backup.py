@@ -23,7 +23,8 @@ import keras
 import numpy as np
 
 import keras_parallel
-from keras_parallel import backup, demo
+from keras_parallel import demo
+from keras_parallel.persistence import backup
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):

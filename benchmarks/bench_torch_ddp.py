@@ -174,7 +174,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 512])
     args = parser.parse_args(argv)
-    from keras_parallel.launcher.processes import launch
+    from keras_parallel.launcher.torch_processes import launch
 
     results = launch(
         worker,

@@ -154,7 +154,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args(argv)
-    from keras_parallel.launcher.processes import launch
+    from keras_parallel.launcher.torch_processes import launch
 
     results = {}
     for kind in KINDS:

@@ -29,7 +29,7 @@ _EXPORTS = {
     "ShardingError": "keras_parallel.errors",
     "UnmatchedLayoutKeyWarning": "keras_parallel.errors",
     "describe": "keras_parallel.report",
-    "restore_checkpoint": "keras_parallel.checkpoints",
+    "restore_checkpoint": "keras_parallel.persistence.checkpoints",
     "split_cpu": "keras_parallel.backends.tensorflow.devices",
 }
 

@@ -10,8 +10,8 @@ import contextlib
 
 from keras_parallel import report
 from keras_parallel.backends import executor_class, resolve_plan_for
-from keras_parallel.backup import ExactBackups
 from keras_parallel.building import build_from_inputs, is_built
+from keras_parallel.persistence.backup import ExactBackups
 from keras_parallel.plan import check_distribution, variables_signature
 
 

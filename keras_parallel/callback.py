@@ -2,9 +2,9 @@
 
 import keras
 
-from keras_parallel import atomic
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
+from keras_parallel.persistence import atomic
 
 _PHASES = ("train", "test", "predict")
 

@@ -47,7 +47,13 @@ def _demo(args):
     # it in processes it starts (torch: one per device).
     run = functools.partial(demo.run, epochs=args.epochs, batch_size=args.batch_size)
     devices = args.devices or SIMULATED_DEVICES
-    accuracy = executor_class(args.backend).demo_main(run, devices)
+    processes = executor_class(args.backend).demo_processes(devices)
+    if processes == 1:
+        accuracy = run()
+    else:
+        from keras_parallel.launcher import launch
+
+        accuracy = launch(run, num_processes=processes)[0]
     print(f"Test accuracy: {accuracy:.4f}")
     return 0
 
@@ -65,9 +71,9 @@ def _positive_int(text):
 
 
 def _env(args):
-    from keras_parallel import environment
+    from keras_parallel import bug_report
 
-    print(environment.report())
+    print(bug_report.report())
     return 0
 
 
@@ -84,9 +90,9 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         # Everything after `launch` is torchrun's: argparse must not touch it.
-        from keras_parallel.launcher import cli as launch_cli
+        from keras_parallel.launcher import command as launch_command
 
-        return launch_cli.main(argv[1:])
+        return launch_command.main(argv[1:])
     from keras_parallel import __version__
 
     parser = argparse.ArgumentParser(

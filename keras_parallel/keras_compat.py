@@ -27,6 +27,7 @@ out. The floor is checked below, as no one internal shows it.
 import importlib
 
 from keras_parallel.errors import UnsupportedKerasError
+from keras_parallel.replacement_targets import Target
 
 #: The Keras releases keras_parallel supports (as in `pyproject.toml`).
 SUPPORTED_KERAS = ">=3.15"
@@ -130,27 +131,21 @@ Distribution = internal(
 print_msg = internal("keras.src.utils.io_utils", "print_msg").print_msg
 
 #: Writes a class's `module`, `class_name` and `registered_name` into a
-#: saved config; wrapped while `DistributedModel.save` runs (`saving.py`).
+#: saved config; wrapped while `DistributedModel.save` runs (`persistence/saving.py`).
 serialization_lib = internal(
     "keras.src.saving.serialization_lib", "serialize_with_public_class"
 )
-#: Keras's saving builds throwaway reference objects (an `Optimizer`, a
-#: `Metric`, with variables) the first time it meets each kind of object;
-#: made early, outside any strategy (`saving.saving_references_made_outside`).
-saving_lib = internal("keras.src.saving.saving_lib", "get_attr_skipset")
 #: Keras's functional model class: a functional DistributedModel is saved
-#: as one, so that plain Keras can load it (`saving.py`).
+#: as one, so that plain Keras can load it (`persistence/saving.py`).
 Functional = internal("keras.src.models.functional", "Functional").Functional
 
 #: Keras's epoch iterator (every backend's subclasses it): its data adapter
 #: (keras-nightly, 3.16) shuffles arrays by the number of epochs it has run
 #: in this `fit` (`_epoch`), which a resumed run sets to the epoch it
-#: resumes at (`backup.py`).
+#: resumes at (`persistence/backup.py`).
 EpochIterator = internal(
     "keras.src.trainers.epoch_iterator", "EpochIterator"
 ).EpochIterator
-
-from keras_parallel.replacements import Target  # noqa: E402
 
 #: Every hook of a Keras callback.
 CALLBACK_HOOKS = (
@@ -206,29 +201,24 @@ REPLACED = (
         ("_save_model", "_load_model", "on_epoch_begin")
         + ("on_epoch_end", "on_train_batch_end", "on_train_end"),
         "backups written whole, with the random state; resumed exactly "
-        "(`backup.py`); writing silenced on processes other than 0 "
+        "(`persistence/backup.py`); writing silenced on processes other than 0 "
         "(`chief.py`)",
     ),
     Target(
         "keras.src.trainers.epoch_iterator.EpochIterator",
         "__init__",
         "remembers the training iterator, whose data adapter a resumed run "
-        "moves on (`backup.py`)",
+        "moves on (`persistence/backup.py`)",
     ),
     Target(
         "keras.src.saving.serialization_lib",
         "serialize_with_public_class",
-        "a DistributedModel saved as Keras's own class (`saving.py`)",
-    ),
-    Target(
-        "keras.src.saving.saving_lib",
-        "get_attr_skipset",
-        "saving's reference objects made outside any strategy (`saving.py`)",
+        "a DistributedModel saved as Keras's own class (`persistence/saving.py`)",
     ),
     Target(
         "keras.src.models.model.Model",
         ("save", "save_weights"),
-        "written whole (`atomic.py`); on processes other than 0, nothing "
+        "written whole (`persistence/atomic.py`); on processes other than 0, nothing "
         "written (`chief.py`)",
         on_instances=True,
     ),

@@ -2,6 +2,7 @@
 
 import os
 
+from keras_parallel.backends import executor_class
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
 
@@ -77,7 +78,7 @@ class DistributedModel:
         (`custom_objects={"Net": Net}` or registered), compiled, with its
         optimizer state and its distribution; elsewhere a plain Keras model
         with its weights, compile config and optimizer state. See
-        `keras_parallel.saving`.
+        `keras_parallel.persistence.saving`.
 
         Args:
             *args: `keras.Model.save` arguments (`filepath`, ...).
@@ -86,10 +87,10 @@ class DistributedModel:
         Returns:
             What `keras.Model.save` returns.
         """
-        from keras_parallel import atomic, saving
+        from keras_parallel.persistence import atomic, saving
 
-        with saving.saved_as_keras_class():
-            # A reader never sees half a file (`keras_parallel.atomic`).
+        with saving.saved_as_keras_class(DistributedModel):
+            # A reader never sees half a file (`keras_parallel.persistence.atomic`).
             return atomic.call_replacing(
                 super().save, args, kwargs, self._kp_executor(), self
             )
@@ -104,7 +105,7 @@ class DistributedModel:
         Returns:
             What `keras.Model.save_weights` returns.
         """
-        from keras_parallel import atomic
+        from keras_parallel.persistence import atomic
 
         return atomic.call_replacing(
             super().save_weights, args, kwargs, self._kp_executor(), self
@@ -125,10 +126,8 @@ class DistributedModel:
             *args: `keras.Model.load_weights` arguments.
             **kwargs: `keras.Model.load_weights` arguments.
         """
-        import keras
-
-        if keras.backend.backend() == "jax" and os.path.isdir(os.fspath(filepath)):
-            from keras_parallel.checkpoints import restore_checkpoint
+        if os.path.isdir(os.fspath(filepath)) and executor_class().restores_checkpoints:
+            from keras_parallel.persistence.checkpoints import restore_checkpoint
 
             restore_checkpoint(self, filepath)
             return None
@@ -166,7 +165,7 @@ class DistributedModel:
         """
         if type(self).compile is not DistributedModel.compile:
             return super().compile_from_config(config)
-        from keras_parallel import saving
+        from keras_parallel.persistence import saving
 
         saving.compile_from_config(self, config)
 
@@ -179,7 +178,7 @@ class DistributedModel:
         parent = getattr(super(), "save_assets", None)
         if parent is not None:
             parent(dir_path)
-        from keras_parallel import saving
+        from keras_parallel.persistence import saving
 
         saving.save_distribution(self.distribution, dir_path)
 
@@ -192,9 +191,9 @@ class DistributedModel:
         parent = getattr(super(), "load_assets", None)
         if parent is not None:
             parent(dir_path)
-        from keras_parallel import saving
+        from keras_parallel.persistence import saving
 
-        saving.restore_distribution(self, dir_path)
+        saving.restore_distribution(self, dir_path, Binding)
 
     def get_weights(self):
         """`keras.Model.get_weights`, whole on every process.
@@ -270,14 +269,11 @@ class DistributedModel:
 
 def _snapshot(model):
     """`(variable, value)` of every model and optimizer variable, kept aside."""
-    import keras
-
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
         variables += list(optimizer.variables)
-    # A JAX array is never changed in place: holding it is enough.
-    keep = (lambda v: v) if keras.backend.backend() == "jax" else keras.ops.copy
+    keep = executor_class().kept_value
     return [(v, keep(v.value)) for v in variables]
 
 

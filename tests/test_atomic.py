@@ -1,4 +1,4 @@
-"""Saved files appear whole or not at all (`keras_parallel.atomic`)."""
+"""Saved files appear whole or not at all (`keras_parallel.persistence.atomic`)."""
 
 import os
 
@@ -8,7 +8,7 @@ import pytest
 import resume_script
 
 import keras_parallel
-from keras_parallel import atomic
+from keras_parallel.persistence import atomic
 
 
 def test_replacing_keeps_the_old_file_when_writing_fails(tmp_path):

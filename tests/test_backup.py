@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import resume_script
 
-from keras_parallel import backup
+from keras_parallel.persistence import backup
 
 BACKEND = keras.backend.backend()
 # The files and their checks are the same on every backend: TensorFlow (the

@@ -116,10 +116,10 @@ def test_launch_help_works_with_or_without_torch():
 def test_launch_names_the_rank_that_failed_first_not_its_consequences():
     from types import SimpleNamespace as Failure
 
-    from keras_parallel.launcher import cli as launch_cli
+    from keras_parallel.launcher import command as launch_command
 
     def first(failures):
-        return launch_cli._first_cause(Failure(failures=failures))[0]
+        return launch_command._first_cause(Failure(failures=failures))[0]
 
     raised = Failure(message="ValueError: boom", exitcode=1, timestamp=10)
     exited = Failure(message="", exitcode=3, timestamp=10)

@@ -10,7 +10,7 @@ with SIGTERM or SIGINT), and
 - the same command run again (or restarted by `--max-restarts`) ends with
   the weights of an uninterrupted run. Keras's own `BackupAndRestore`
   resumes with another shuffle (6e-2 apart here): keras_parallel keeps the
-  random state in the backup (`keras_parallel.backup`).
+  random state in the backup (`keras_parallel.persistence.backup`).
 
 One JAX process with 8 devices, 2 JAX processes x 4 devices, 2 torch
 processes. Every launch has a hard timeout.

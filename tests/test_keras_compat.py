@@ -258,7 +258,7 @@ def test_an_unlisted_replacement_is_refused():
 def test_design_doc_lists_every_replaced_target():
     import pathlib
 
-    from keras_parallel.replacements import markdown_rows
+    from keras_parallel.replacement_targets import markdown_rows
 
     design = pathlib.Path(__file__).parents[1] / "docs" / "design.md"
     rows = [line for line in design.read_text().splitlines() if line.startswith("|")]

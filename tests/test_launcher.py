@@ -25,7 +25,7 @@ from subprocesses import checkout_env, run_in_session, running  # noqa: E402
 
 
 def _launch():
-    from keras_parallel.launcher import processes as launcher
+    from keras_parallel.launcher import torch_processes as launcher
 
     return launcher
 
@@ -91,9 +91,9 @@ def test_bad_num_processes():
     ],
 )
 def test_cli_passes_torchrun_options(argv, expected):
-    from keras_parallel.launcher import cli as launch_cli
+    from keras_parallel.launcher import command as launch_command
 
-    assert launch_cli._torchrun_args(argv)[0] == expected
+    assert launch_command._torchrun_args(argv)[0] == expected
 
 
 SCRIPT = textwrap.dedent(

@@ -21,7 +21,7 @@ import pytest
 from builders import dense_model, max_relative_difference, regression_data
 
 import keras_parallel
-from keras_parallel.saving import DISTRIBUTION_ASSET
+from keras_parallel.persistence.saving import DISTRIBUTION_ASSET
 
 BACKEND = keras.backend.backend()
 

@@ -168,12 +168,12 @@ def test_metric_state_survives_the_move():
     )
 
 
-def test_demo_main_splits_the_cpu_then_runs():
+def test_demo_splits_the_cpu_and_runs_in_this_process():
     from keras_parallel.backends.tensorflow.executor import TensorFlowExecutor
 
     # The runtime already runs with 4 devices: asking for 4 or fewer is a
     # no-op, asking for more is a clear error.
-    assert TensorFlowExecutor.demo_main(lambda: 0.5, 4) == 0.5
+    assert TensorFlowExecutor.demo_processes(4) == 1
     if not tf.config.list_physical_devices("GPU"):
         with pytest.raises(RuntimeError, match="runtime already started"):
-            TensorFlowExecutor.demo_main(lambda: 0.5, 16)
+            TensorFlowExecutor.demo_processes(16)

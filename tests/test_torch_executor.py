@@ -29,7 +29,7 @@ LAUNCH_TIMEOUT = 240
 
 
 def _launch(fn, n, args=(), **kwargs):
-    from keras_parallel.launcher.processes import launch
+    from keras_parallel.launcher.torch_processes import launch
 
     kwargs.setdefault("timeout", LAUNCH_TIMEOUT)
     kwargs.setdefault("collective_timeout", 60)
@@ -367,7 +367,7 @@ def _run_with_torchrun_environment(code, world=2, cwd=None):
     import sys
 
     import keras_parallel as package
-    from keras_parallel.launcher.processes import free_port
+    from keras_parallel.launcher.ports import free_port
 
     port = free_port()
     here = os.path.dirname(__file__)

@@ -81,23 +81,22 @@ class Executor(abc.ABC):
         return [0] * count
 
     @classmethod
-    def demo_main(cls, run, num_devices):
-        """Runs `keras-parallel demo`'s training function on this backend.
+    def demo_processes(cls, num_devices):
+        """How many processes `keras-parallel demo` trains in.
 
-        The default runs `run()` in this process. A backend that needs set-up
-        before its runtime starts (logical devices) or one process per
-        device overrides it.
+        The default: this one. A backend that needs set-up before its
+        runtime starts (logical devices) does it here; one that runs a
+        process per device returns their count, and the demo starts them
+        with `keras_parallel.launch`.
 
         Args:
-            run: a function of no argument that trains and returns the test
-                accuracy.
             num_devices: the simulated devices (or processes) to use when
                 there is no accelerator.
 
         Returns:
-            What `run` returned (on the chief process).
+            The number of processes; 1 trains in this process.
         """
-        return run()
+        return 1
 
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
@@ -191,6 +190,46 @@ class Executor(abc.ABC):
         from keras import ops
 
         return ops.convert_to_numpy(value)
+
+    @classmethod
+    def kept_value(cls, value):
+        """A variable's value held aside, unchanged by later assignments.
+
+        Args:
+            value: a variable's backend value.
+
+        Returns:
+            A copy (the default: tensors may change in place), or the value
+            itself where the backend never changes one in place (JAX).
+        """
+        from keras import ops
+
+        return ops.copy(value)
+
+    # ----------------------------------------------------------- checkpoints
+    #: Whether `restore_checkpoint` reads a `keras.callbacks.OrbaxCheckpoint`
+    #: folder on this backend (and `load_weights(folder)` goes there).
+    restores_checkpoints = False
+
+    @classmethod
+    def restore_checkpoint(cls, model, path):
+        """Reads one step of an `OrbaxCheckpoint` into `model`'s layout.
+
+        Args:
+            model: a built model.
+            path: the folder of one finished step.
+
+        Raises:
+            NotImplementedError: the default; see `restores_checkpoints`.
+        """
+        import keras
+
+        backend = keras.backend.backend()
+        raise NotImplementedError(
+            "restore_checkpoint lays out shards with jax.sharding and runs on "
+            f"the JAX backend only. Received: KERAS_BACKEND={backend!r}; on "
+            "this backend use Keras's own `model.load_weights(directory)`."
+        )
 
     def saving(self, model):
         """What must be in force while `model` is saved (on every process).

@@ -17,8 +17,7 @@ The options and their checks are shared with TensorFlow
 import os
 
 from keras_parallel.backends.jax import runtime
-from keras_parallel.launcher import local_processes
-from keras_parallel.launcher.processes import free_port
+from keras_parallel.launcher import local_processes, ports
 
 
 def commands(args, base_env=None):
@@ -73,10 +72,10 @@ def main(argv):
 
         def attempt(number):
             # A fresh port per attempt: the last coordinator's may linger.
-            args.master_port = free_port(args.master_addr)
+            args.master_port = ports.free_port(args.master_addr)
             return commands(args)
 
         return local_processes.run(attempt, args)
     if args.node_rank == 0:
-        local_processes.check_port_free(args.master_addr, args.master_port)
+        ports.check_port_free(args.master_addr, args.master_port)
     return local_processes.run(commands(args), args)

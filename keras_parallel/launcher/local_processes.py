@@ -10,11 +10,10 @@ the same on both.
 
 import argparse
 import os
-import socket
 import sys
 
 from keras_parallel.launcher import supervisor
-from keras_parallel.launcher.cli import check_positive, check_script
+from keras_parallel.launcher.checks import check_positive, check_script
 
 
 def parser(backend):
@@ -85,29 +84,6 @@ def bootstrap_argv(args):
 def cpu_threads(nproc):
     """Each process's share of this node's cores (for simulated CPU devices)."""
     return str(max(1, (os.cpu_count() or 1) // nproc))
-
-
-def check_port_free(address, port, role="coordinator"):
-    """Refuses a port that something on this node already holds.
-
-    Args:
-        address: the address the process will listen on.
-        port: the port.
-        role: what listens there, for the message (`"coordinator"`,
-            `"worker 1"`).
-
-    Raises:
-        ValueError: naming the port and the fix.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((address, port))
-        except OSError as error:
-            raise ValueError(
-                f"the {role} port is taken. Received: port {port} on "
-                f"{address} ({error.strerror}); pass a free --master-port, "
-                "or none on one node for free ports."
-            ) from None
 
 
 def run(commands, args, label="process"):

@@ -23,11 +23,8 @@ supervised together (`keras_parallel.launcher.supervisor`).
 import json
 import os
 
-from keras_parallel.launcher import local_processes
-from keras_parallel.launcher.processes import free_port
-
-#: Logical CPU devices per worker (`backends/tensorflow/workers.py` reads it).
-DEVICES_ENV = "KERAS_PARALLEL_DEVICES_PER_PROCESS"
+from keras_parallel.backends.tensorflow import DEVICES_ENV
+from keras_parallel.launcher import local_processes, ports
 
 
 def _parser():
@@ -127,31 +124,31 @@ def main(argv):
     args = local_processes.parse(_parser(), argv)
     addresses = node_addresses(args)
     here = addresses[args.node_rank]
-    ports = None
+    free = None
     if args.master_port is None:
-        ports = _free_ports(here, args.nproc_per_node)
-    workers = worker_addresses(args, addresses, ports)
+        free = _free_ports(here, args.nproc_per_node)
+    workers = worker_addresses(args, addresses, free)
     first = args.node_rank * args.nproc_per_node
     for g in range(first, first + args.nproc_per_node):
         port = int(workers[g].rsplit(":", 1)[1])
-        local_processes.check_port_free(here, port, role=f"worker {g}")
-    if ports is None:
+        ports.check_port_free(here, port, role=f"worker {g}")
+    if free is None:
         return local_processes.run(commands(args, workers), args, label="worker")
 
     def attempt(number):
         # Fresh ports per attempt: the last workers' servers may linger.
         if number:
-            ports[:] = _free_ports(here, args.nproc_per_node)
-        return commands(args, worker_addresses(args, addresses, ports))
+            free[:] = _free_ports(here, args.nproc_per_node)
+        return commands(args, worker_addresses(args, addresses, free))
 
     return local_processes.run(attempt, args, label="worker")
 
 
 def _free_ports(address, count):
     """`count` distinct free ports on `address`."""
-    ports = []
-    while len(ports) < count:
-        port = free_port(address)
-        if port not in ports:
-            ports.append(port)
-    return ports
+    found = []
+    while len(found) < count:
+        port = ports.free_port(address)
+        if port not in found:
+            found.append(port)
+    return found

@@ -115,6 +115,20 @@ class JaxExecutor(Executor):
     def host_value(self, value):
         return processes.fetch(value)
 
+    @classmethod
+    def kept_value(cls, value):
+        # A jax.Array is never changed in place: holding it is enough, and a
+        # copy of a model larger than one device would not fit.
+        return value
+
+    restores_checkpoints = True
+
+    @classmethod
+    def restore_checkpoint(cls, model, path):
+        from keras_parallel.backends.jax import orbax
+
+        orbax.restore(model, path)
+
     @contextlib.contextmanager
     def saving(self, model):
         # Keras's saving makes throwaway variables (a reference `Optimizer`

@@ -7,7 +7,7 @@ shardings before keras_parallel lays them out).
 """
 
 from keras_parallel.keras_compat import find, internal
-from keras_parallel.replacements import Target
+from keras_parallel.replacement_targets import Target
 
 #: `jit` compiles Keras's step; on CPU devices the executor replaces it, in
 #: scope, by one without buffer donation (`executor._jit_without_donation`).

@@ -6,5 +6,10 @@
 - `exact`: exact per-replica loss weighting and global logs.
 - `workers`: across processes, the `MultiWorkerMirroredStrategy` that
   `TF_CONFIG` asks for, and what the workers share.
+- `saving_references`: Keras's saving inside a strategy, made collective-free.
 - `keras_compat`: every Keras internal this backend reads or patches.
 """
+
+#: Logical CPU devices per worker: `keras-parallel launch --backend tensorflow
+#: --devices-per-process K` sets it, `workers.py` splits the CPU by it.
+DEVICES_ENV = "KERAS_PARALLEL_DEVICES_PER_PROCESS"

@@ -33,10 +33,10 @@ import numpy as np
 import tensorflow as tf
 from keras.distribution import DataParallel
 
-from keras_parallel import saving
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
+from keras_parallel.backends.tensorflow import saving_references
 from keras_parallel.backends.tensorflow import variables as tf_variables
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import ArrayDataAdapter
@@ -83,11 +83,11 @@ class TensorFlowExecutor(Executor):
         return [tf_devices.normalize(d) for d in devices]
 
     @classmethod
-    def demo_main(cls, run, num_devices):
+    def demo_processes(cls, num_devices):
         """Splits the CPU into `num_devices` logical devices if there is no GPU."""
         if not tf.config.list_physical_devices("GPU"):
             tf_devices.split_cpu(num_devices)
-        return run()
+        return 1
 
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
@@ -149,7 +149,7 @@ class TensorFlowExecutor(Executor):
             # replicas, and variables created lazily are mirrored. A save
             # from a callback (worker 0 alone) must make no variable there.
             with (
-                saving.saving_references_made_outside(),
+                saving_references.made_outside(),
                 strategy.scope(),
                 tf_exact.patched(model),
                 self._workers_scope(),

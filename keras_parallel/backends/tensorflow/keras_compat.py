@@ -5,7 +5,7 @@ Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
 from keras_parallel.keras_compat import find, internal, internal_any
-from keras_parallel.replacements import Target
+from keras_parallel.replacement_targets import Target
 
 #: Keras's TensorFlow trainer. Replaced in scope (`exact.patched`):
 #: `reduce_per_replica` (global logs), `TensorFlowTrainer._maybe_symbolic_build`
@@ -40,8 +40,18 @@ BatchNormalization = internal(
     "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
 ).BatchNormalization
 
+#: Keras's saving builds throwaway reference objects (an `Optimizer`, a
+#: `Metric`, with variables) the first time it meets each kind of object;
+#: made early, outside any strategy (`saving_references.py`).
+saving_lib = internal("keras.src.saving.saving_lib", "get_attr_skipset")
+
 #: What the TensorFlow backend replaces, through `keras_parallel.replacements`.
 REPLACED = (
+    Target(
+        "keras.src.saving.saving_lib",
+        "get_attr_skipset",
+        "saving's reference objects made outside any strategy (`saving_references.py`)",
+    ),
     Target(
         "keras.src.losses.loss",
         ("scale_loss_for_distribution", "unscale_loss_for_distribution"),

@@ -28,9 +28,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 
+from keras_parallel.backends.tensorflow import DEVICES_ENV
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
-from keras_parallel.launcher.tf_processes import DEVICES_ENV
 from keras_parallel.replacements import replaced
 
 _strategy = None

@@ -81,19 +81,17 @@ class TorchExecutor(Executor):
         return [str(d).lower() for d in devices]
 
     @classmethod
-    def demo_main(cls, run, num_devices):
-        """Runs `run` in `num_devices` processes (one per GPU if any).
+    def demo_processes(cls, num_devices):
+        """One process per device (per GPU if any), or this one under torchrun.
 
-        Under `torchrun` (a group already set up by the environment) it just
-        runs `run` in this process, as every rank does.
+        Under `torchrun` (a group already set up by the environment) every
+        rank runs the demo itself.
         """
         if torch_group.env_world_size() > 1 or torch_group.is_distributed():
-            return run()
-        from keras_parallel.launcher.processes import launch
-
+            return 1
         if torch.cuda.is_available():
-            num_devices = torch.cuda.device_count()
-        return launch(run, num_processes=num_devices)[0]
+            return torch.cuda.device_count()
+        return num_devices
 
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):

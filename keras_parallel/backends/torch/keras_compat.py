@@ -5,7 +5,7 @@ Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
 from keras_parallel.keras_compat import internal
-from keras_parallel.replacements import Target
+from keras_parallel.replacement_targets import Target
 
 #: Keras's torch trainer module. Up to 3.15 its class is `TorchTrainer`;
 #: from 3.16 (keras-nightly) it is `Trainer`, wraps the model in its own DDP

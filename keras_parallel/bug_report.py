@@ -48,7 +48,7 @@ def report():
 
     Example:
 
-    >>> print(keras_parallel.environment.report())  # or `keras-parallel env`
+    >>> print(keras_parallel.bug_report.report())  # or `keras-parallel env`
     """
     from keras_parallel import __version__
 

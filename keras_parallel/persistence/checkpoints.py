@@ -66,19 +66,13 @@ def restore_checkpoint(model, directory, step=None):
     model.fit(x, y, ...)  # continues from the restored step
     ```
     """
-    import keras
+    from keras_parallel.backends import executor_class
 
-    backend = keras.backend.backend()
-    if backend != "jax":
-        raise NotImplementedError(
-            "restore_checkpoint lays out shards with jax.sharding and runs on "
-            f"the JAX backend only. Received: KERAS_BACKEND={backend!r}; on "
-            "this backend use Keras's own `model.load_weights(directory)`."
-        )
+    executor = executor_class()
+    if not executor.restores_checkpoints:
+        executor.restore_checkpoint(model, directory)  # Raises: says why.
     path, step = checkpoint_path(directory, step)
-    from keras_parallel.backends.jax import orbax
-
-    orbax.restore(model, path)
+    executor.restore_checkpoint(model, path)
     return step
 
 

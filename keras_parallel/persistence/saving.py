@@ -92,7 +92,7 @@ def keras_class_for(cls, inner_config):
 
 
 @contextlib.contextmanager
-def saved_as_keras_class():
+def saved_as_keras_class(distributed_base):
     """While in scope, a DistributedModel's config names a Keras class.
 
     Wraps `serialization_lib.serialize_with_public_class`, which
@@ -101,15 +101,17 @@ def saved_as_keras_class():
     subclass that a Keras class can revive (see `keras_class_for`), those
     name the Keras class and keep the subclass's registered name, which Keras
     looks up first at load. Every other class is written as before.
-    """
-    from keras_parallel.model import DistributedModel
 
+    Args:
+        distributed_base: `DistributedModel` (given by it: saving sits
+            below the model in the package's layers).
+    """
     module = _serialization_lib()
     original = module.serialize_with_public_class
 
     def serialize_with_public_class(cls, inner_config=None):
         config = original(cls, inner_config=inner_config)
-        if not (isinstance(cls, type) and issubclass(cls, DistributedModel)):
+        if not (isinstance(cls, type) and issubclass(cls, distributed_base)):
             return config
         keras_class = keras_class_for(cls, inner_config)
         if keras_class is None:
@@ -129,47 +131,6 @@ def saved_as_keras_class():
     with replaced(
         {(module, "serialize_with_public_class"): serialize_with_public_class}
     ):
-        yield
-
-
-#: The kinds of objects Keras's saving builds a reference object of.
-_SAVED_KINDS = (
-    "Operation",
-    "Layer",
-    "Functional",
-    "Sequential",
-    "Metric",
-    "Optimizer",
-    "Loss",
-)
-_skipsets = {}
-
-
-@contextlib.contextmanager
-def saving_references_made_outside():
-    """Keras's saving, with its reference objects made before this scope.
-
-    Each save builds an `Optimizer(1.0)`, a `Metric`, ... to learn which
-    attributes to skip (Keras means to cache what it learns, but reads the
-    cache under another key than it writes it: every save builds them
-    again). Built inside a `tf.distribute` strategy (a save from a callback
-    during `fit`, on worker 0 alone), their variables are made by a
-    collective the other workers never join, and the workers' collectives
-    mismatch ("Collective instance ... expected type 0 ... but got type 1").
-    Entered before the strategy's scope, this learns what to skip once,
-    outside, and serves it to the saves made within.
-    """
-    from keras_parallel.keras_compat import saving_lib
-
-    original = saving_lib.get_attr_skipset
-    for kind in _SAVED_KINDS:
-        if kind not in _skipsets:
-            _skipsets[kind] = original(kind)
-
-    def learned(kind):
-        return _skipsets[kind] if kind in _skipsets else original(kind)
-
-    with replaced({(saving_lib, "get_attr_skipset"): learned}):
         yield
 
 
@@ -255,8 +216,8 @@ def distribution_from_description(description):
     """
     import keras
 
-    import keras_parallel
     from keras_parallel.backends import executor_class
+    from keras_parallel.distribution import DataParallel
 
     kind = description.get("kind")
     remedy = (
@@ -277,7 +238,7 @@ def distribution_from_description(description):
             for key in ("sync_batchnorm", "find_unused_parameters")
             if key in description
         }
-        return keras_parallel.DataParallel(
+        return DataParallel(
             auto_shard_dataset=description.get("auto_shard_dataset", True), **options
         )
     if kind != "ModelParallel":
@@ -324,7 +285,7 @@ def save_distribution(distribution, dir_path):
         json.dump(describe_distribution(distribution), f, indent=1)
 
 
-def restore_distribution(model, dir_path):
+def restore_distribution(model, dir_path, binding_class):
     """Re-applies a saved distribution to a loaded, compiled model.
 
     Nothing happens when none was saved, or when the model was loaded
@@ -336,9 +297,9 @@ def restore_distribution(model, dir_path):
     Args:
         model: the loaded `DistributedModel`.
         dir_path: its assets folder, as Keras gives it.
+        binding_class: `keras_parallel.binding.Binding` (given by the model:
+            saving sits below the binding in the package's layers).
     """
-    from keras_parallel.binding import Binding
-
     path = os.path.join(dir_path, DISTRIBUTION_ASSET)
     if not os.path.exists(path) or not getattr(model, "compiled", False):
         return
@@ -348,7 +309,7 @@ def restore_distribution(model, dir_path):
     if distribution is None:
         return
     try:
-        binding = Binding(distribution)
+        binding = binding_class(distribution)
         binding.resolve(model)
     except ValueError as error:
         warnings.warn(

@@ -7,7 +7,7 @@ process group:
 - `torchrun --nproc-per-node N train.py` runs an unchanged script;
 - `keras-parallel launch --nproc N train.py [args]` is `torchrun` itself
   (`torch.distributed.run`), so its restart and rendezvous options work
-  (`keras_parallel.launcher.cli`);
+  (`keras_parallel.launcher.command`);
 - `launch(fn, num_processes=N)` from Python or a notebook, below.
 
 `launch` hosts the rendezvous store in the calling process, as torchrun's
@@ -17,10 +17,11 @@ agent does, so the store outlives every rank and a failing rank (even rank
 
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
+
+from keras_parallel.launcher.ports import free_port
 
 #: Seconds the other ranks get to stop by themselves after one failed.
 FAILURE_GRACE_S = 30.0
@@ -47,13 +48,6 @@ class ProcessFailedError(RuntimeError):
     def __init__(self, message, rank=None):
         super().__init__(message)
         self.rank = rank
-
-
-def free_port(host="127.0.0.1"):
-    """A TCP port nobody listens on now (for `MASTER_PORT`)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def launch(

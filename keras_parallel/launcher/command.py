@@ -17,6 +17,8 @@ The backend is `--backend`, else `KERAS_BACKEND`.
 import os
 import sys
 
+from keras_parallel.launcher.checks import check_positive, check_script
+
 _USAGE = (
     "usage: keras-parallel launch [--backend B] [--nproc-per-node N] "
     "[--nnodes M --node-rank R --master-addr A --master-port P] "
@@ -189,30 +191,6 @@ def _check(torchrun_args, script):
                 check_positive("--nproc", int(value))
     modes = {"-m", "--module", "--no-python", "--no_python"}
     check_script(script, torchrun_args, is_path=not modes.intersection(torchrun_args))
-
-
-def check_positive(option, value):
-    """Refuses a count below 1, naming the option."""
-    if value < 1:
-        raise ValueError(
-            f"{option} must be a positive number of processes. Received: "
-            f"{option} {value}; pass e.g. {option} 2."
-        )
-
-
-def check_script(script, argv, is_path=True):
-    """Refuses a missing script (a path that does not exist)."""
-    if script is None:
-        raise ValueError(
-            "no script to run. Received: "
-            f"{' '.join(argv) or '(nothing)'}; write "
-            "keras-parallel launch --nproc N train.py [args]."
-        )
-    if is_path and not os.path.isfile(script):
-        raise ValueError(
-            f"the script {script!r} does not exist. Received: {script!r} "
-            f"(from {os.getcwd()}); pass the path of your training script."
-        )
 
 
 def _torchrun_args(argv):

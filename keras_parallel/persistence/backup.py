@@ -43,8 +43,8 @@ import weakref
 import numpy as np
 from keras import callbacks
 
-from keras_parallel import atomic
 from keras_parallel.keras_compat import EpochIterator
+from keras_parallel.persistence import atomic
 from keras_parallel.replacements import Replacements
 
 #: The key of keras_parallel's part of `training_metadata.json`.

@@ -1,0 +1,101 @@
+"""What keras_parallel replaces in Keras: a `Target`, one row of a table.
+
+The tables (`REPLACED` in `keras_parallel.keras_compat` and in each
+backend's `keras_compat`) are made of `Target`s; `keras_parallel.replacements`
+replaces only what they list, and docs/design.md shows them
+(`markdown_rows`).
+"""
+
+import importlib
+
+_MISSING = object()
+
+
+class Target:
+    """Attributes of Keras (or of a backend) that keras_parallel replaces.
+
+    Args:
+        owner: where the attributes live, as an import path: a module
+            (`"keras.src.backend.jax.trainer"`) or a class
+            (`"keras.src.callbacks.backup_and_restore.BackupAndRestore"`).
+        names: the attributes' names (a string or a tuple of strings).
+        why: what keras_parallel does with them, for the docs' table.
+        on_instances: the attributes are set on objects of the `owner`
+            class (a model's `train_step`), not on the class itself.
+        optional: the owner (or the attributes) exist only in some Keras
+            versions; another `Target` names where the others have them.
+        shown_as: how the docs' table names `names`, where they are many.
+    """
+
+    def __init__(
+        self, owner, names, why, on_instances=False, optional=False, shown_as=None
+    ):
+        self.owner = owner
+        self.names = (names,) if isinstance(names, str) else tuple(names)
+        self.why = why
+        self.on_instances = on_instances
+        self.optional = optional
+        self.shown_as = shown_as
+        self._resolved = _MISSING
+
+    def __repr__(self):
+        where = f"{self.owner} objects" if self.on_instances else self.owner
+        return f"Target({where}: {', '.join(self.names)})"
+
+    def resolve_owner(self):
+        """The module or class named by `owner`, or `None` if it is missing."""
+        if self._resolved is _MISSING:
+            self._resolved = _import(self.owner)
+        return self._resolved
+
+    def matches(self, owner, name):
+        """Whether replacing `owner.name` is replacing one of these."""
+        if name not in self.names:
+            return False
+        resolved = self.resolve_owner()
+        if resolved is None:
+            return False
+        if self.on_instances:
+            return isinstance(owner, resolved) and not isinstance(owner, type)
+        return owner is resolved
+
+
+def _import(path):
+    """The module or class at a dotted path, or `None`.
+
+    Walked by attribute from the top package, importing a submodule only
+    where no attribute has the name: `"tensorflow.random"` is the module
+    object `tf.random` that Keras calls, which an import by that name is not.
+    """
+    parts = path.split(".")
+    try:
+        value = importlib.import_module(parts[0])
+    except ImportError:
+        return None
+    for i, part in enumerate(parts[1:], start=2):
+        if hasattr(value, part):
+            value = getattr(value, part)
+            continue
+        try:
+            value = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            return None
+    return value
+
+
+def markdown_rows(label, targets):
+    """The rows of docs/design.md's table of replaced targets.
+
+    Args:
+        label: the first column: `"every backend"`, `"jax"`, ...
+        targets: the `Target`s of that table.
+
+    Returns:
+        A list of Markdown table rows, one per target.
+    """
+    rows = []
+    for target in targets:
+        names = target.shown_as or ", ".join(f"`{name}`" for name in target.names)
+        where = f"`{target.owner}`" + (" objects" if target.on_instances else "")
+        rows.append(f"| {label} | {where} | {names} | {target.why} |")
+    return rows
