@@ -253,9 +253,11 @@ def measure_restore(root, how):
     elif how == "keras_parallel_64MB":
         import orbax.checkpoint as orbax
 
-        ocp = orbax.v1
-        limit = ocp.options.MemoryOptions(read_concurrent_bytes=64 << 20)
-        with ocp.Context(memory_options=limit):
+        # Orbax 0.12.8 deprecates Context(memory_options=...): set the
+        # limit on the context before entering it.
+        context = orbax.v1.Context()
+        context.memory.read_concurrent_bytes = 64 << 20
+        with context:
             keras_parallel.restore_checkpoint(model, root)
     else:
         model.load_weights(root)

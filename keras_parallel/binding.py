@@ -11,6 +11,7 @@ import contextlib
 from keras_parallel import report
 from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.building import build_from_inputs, is_built
+from keras_parallel.keras_compat import print_msg
 from keras_parallel.persistence.backup import ExactBackups
 from keras_parallel.plan import check_distribution, variables_signature
 
@@ -42,6 +43,7 @@ class Binding:
         #: and a plan is applied.
         self._planned_scope = None
         self._announced = False
+        self._hinted = False
 
     def resolve(self, model):
         """The plan for `model` as it is now, validated, applied to nothing."""
@@ -75,9 +77,22 @@ class Binding:
         self.plan = plan
         self._signature = signature
         self.version += 1
+        self._hint_one_device()
         if self.active:
             self._enter_planned_scope(model)
         return True
+
+    def _hint_one_device(self):
+        # A distribution over one device trains exactly as plain Keras, so
+        # nothing else would tell the user that nothing is split. Printed
+        # whatever `verbose` says, once: the plan is printed only by a
+        # verbose `fit`.
+        if self._hinted or not self.executor.is_chief:
+            return
+        hint = report.one_device_hint(self.plan, self.executor)
+        if hint is not None:
+            self._hinted = True
+            print_msg(hint)
 
     def _enter_planned_scope(self, model):
         scope = contextlib.ExitStack()

@@ -6,8 +6,9 @@ report does not need), the backend Keras would use, and the devices it sees.
 """
 
 import importlib.metadata
-import os
 import platform
+
+from keras_parallel import keras_config
 
 _PACKAGES = (
     "keras",
@@ -60,11 +61,9 @@ def report():
         version = _version(name)
         if version is not None:
             lines.append(f"{name}: {version}")
-    backend = os.environ.get("KERAS_BACKEND")
-    lines.append(
-        f"KERAS_BACKEND: {backend}"
-        if backend
-        else "KERAS_BACKEND: (not set: Keras uses its config file, else tensorflow)"
-    )
+    # Read as Keras reads it, before `_devices` imports Keras: the backend a
+    # script gets, and where that comes from (KERAS_BACKEND, keras.json).
+    backend, source = keras_config.configured_backend()
+    lines.append(f"backend: {backend} (from {source})")
     lines.append(f"devices: {_devices()}")
     return "\n".join(lines)

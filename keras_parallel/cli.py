@@ -5,8 +5,12 @@ digits data across all local devices (8 simulated CPU devices when there is
 no accelerator; on torch, that many gloo processes) and prints the layout
 table and the accuracy.
 
-`keras-parallel launch --nproc N train.py [args]` runs a training script in
-N processes through `torch.distributed.run` (torchrun).
+`keras-parallel launch [--backend B] --nproc N train.py [args]` runs a
+training script in N processes of this node (more options: several nodes,
+restarts): JAX through `jax.distributed`, torch through
+`torch.distributed.run` (torchrun), TensorFlow through
+`MultiWorkerMirroredStrategy`. `keras-parallel launch --help` lists the
+options.
 
 `keras-parallel env` prints the versions and devices to put in a bug report;
 `keras-parallel --version` the version alone.
@@ -89,7 +93,8 @@ def main(argv=None):
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
-        # Everything after `launch` is torchrun's: argparse must not touch it.
+        # Everything after `launch` is the launcher's (on torch, torchrun's):
+        # argparse must not touch it.
         from keras_parallel.launcher import command as launch_command
 
         return launch_command.main(argv[1:])
@@ -127,8 +132,9 @@ def main(argv=None):
     demo.set_defaults(func=_demo)
     commands.add_parser(
         "launch",
-        help="run a script in N processes: keras-parallel launch --nproc N "
-        "train.py [args] (torchrun options pass through)",
+        help="run a script in N processes on any backend: keras-parallel launch "
+        "[--backend B] --nproc N train.py [args] (torch: torchrun's options "
+        "pass through)",
         add_help=False,
     )
     commands.add_parser(

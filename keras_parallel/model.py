@@ -143,9 +143,9 @@ class DistributedModel:
             kind = OSError if isinstance(error, OSError) else ValueError
             raise kind(
                 f"The weights in {os.fspath(filepath)!r} cannot be loaded into "
-                f"model {self.name!r}: {error} Received: a file of another "
-                "model, or a damaged one; the model is unchanged. Load it into "
-                "the model that saved it."
+                f"model {self.name!r}. Received: a file of another model, or a "
+                "damaged one; the model is unchanged. Load it into the model "
+                f"that saved it. The load failed with: {error}"
             ) from error
 
     def _kp_executor(self):

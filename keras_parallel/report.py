@@ -1,5 +1,7 @@
 """`describe()`: the sharding plan as a text table."""
 
+import os
+
 
 def describe(model, distribution=None):
     """The sharding plan of a model, as a text table.
@@ -67,6 +69,66 @@ def _bytes(n):
         n /= 1024
 
 
+def _count(n, noun):
+    """`1 device`, `8 devices`: a count and its noun, singular or plural."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
+def backend_note(backend):
+    """Where the backend came from, when the user did not choose it.
+
+    Args:
+        backend: the backend Keras runs, e.g. `"tensorflow"`.
+
+    Returns:
+        A sentence when `KERAS_BACKEND` is not set (Keras then reads
+        `keras.json`, which it writes with its default, `"tensorflow"`, if
+        there is none), else `None`.
+    """
+    from keras_parallel import keras_config
+
+    if os.environ.get("KERAS_BACKEND"):
+        return None
+    _, source = keras_config.configured_backend()
+    return (
+        f"KERAS_BACKEND is not set, so Keras runs {backend!r} (from {source}); "
+        "set KERAS_BACKEND=jax, torch or tensorflow before Python starts to "
+        "choose."
+    )
+
+
+def one_device_hint(plan, executor):
+    """What to do when a distribution runs on one device only.
+
+    Args:
+        plan: the `ShardingPlan` applied.
+        executor: the `Executor` that applied it.
+
+    Returns:
+        The message, or `None` when the plan spans several devices.
+    """
+    if plan.num_devices != 1:
+        return None
+    name = type(executor.distribution).__name__
+    available = len(executor.list_devices())
+    if available > 1:
+        how = (
+            f"{executor.backend} sees {available} devices: give the "
+            "distribution's mesh more of them (keras_parallel.DataParallel() "
+            "spans them all)"
+        )
+    else:
+        how = executor.more_devices_hint()
+    message = (
+        f"keras_parallel: {name} runs on one device ({plan.devices[0]}), so "
+        f"no batch is split. To use more, {how}."
+    )
+    note = backend_note(executor.backend)
+    return message if note is None else f"{message} {note}"
+
+
 def _axes(axes):
     return "(" + ", ".join("-" if a is None else a for a in axes) + ")"
 
@@ -93,12 +155,16 @@ def format_plan(plan, model_name="model", executor=None):
     mesh = ", ".join(
         f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape, strict=True)
     )
-    processes = "1 process" if num_processes == 1 else f"{num_processes} processes"
+    devices = _count(plan.num_devices, "device")
+    if plan.data_parallel_size > 1:
+        batch = f"split {plan.data_parallel_size} ways along {plan.batch_axis!r}"
+    else:
+        batch = f"not split (axis {plan.batch_axis!r} has 1 device)"
     lines = [
         f"Sharding plan of {model_name!r}",
-        f"Backend: {backend}, {plan.num_devices} devices in {processes}",
-        f"Mesh: {mesh} ({plan.num_devices} devices: {', '.join(plan.devices)})",
-        f"Batch: split {plan.data_parallel_size} ways along {plan.batch_axis!r}",
+        f"Backend: {backend}, {devices} in {_count(num_processes, 'process')}",
+        f"Mesh: {mesh} ({devices}: {', '.join(plan.devices)})",
+        f"Batch: {batch}",
     ]
     if owners is not None:
         held = {}

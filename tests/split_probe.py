@@ -39,7 +39,19 @@ def _record_jax(x):
     global_rows = int(x.shape[0])
 
     def seen(sharding):
-        _RECORDS.append((global_rows, int(sharding.shard_shape(x.shape)[0])))
+        # `shard_shape` refuses rows the devices do not divide; XLA gives
+        # each device the rows rounded up (the last one padded).
+        spec = getattr(sharding, "spec", None)
+        if spec is None:
+            rows = int(sharding.shard_shape(x.shape)[0])
+        else:
+            names = spec[0] if spec and spec[0] is not None else ()
+            names = names if isinstance(names, tuple) else (names,)
+            ways = 1
+            for name in names:
+                ways *= sharding.mesh.shape[name]
+            rows = -(-global_rows // ways)
+        _RECORDS.append((global_rows, rows))
 
     jax.debug.inspect_array_sharding(x, callback=seen)
 
@@ -102,9 +114,9 @@ def assert_divided(recorded, global_batch, ways):
     No device computed more than its share of a global batch: `global_batch
     / ways` rows (rounded up; torch gives an uneven batch's extra rows to
     the first ranks). Where the global rows are known (JAX), each step's
-    batch is at most `global_batch` rows and a batch the devices divide is
-    split exactly; a batch they do not divide (the last of an epoch) runs
-    replicated, as documented, and is not counted. At least one whole
+    batch is at most `global_batch` rows and every batch is split: each
+    device holds its rows rounded up (a batch the devices do not divide,
+    `batch_size=100` or the last of an epoch, too). At least one whole
     global batch must have been split.
 
     Args:
@@ -131,12 +143,13 @@ def assert_divided(recorded, global_batch, ways):
             f"a step saw a global batch of {global_rows} rows, more than "
             f"batch_size={global_batch} (records: {recorded})"
         )
-        if global_rows % ways == 0:
-            assert device_rows == global_rows // ways, (
-                f"a device held {device_rows} of {global_rows} rows over "
-                f"{ways} devices: not split (records: {recorded})"
-            )
-            whole_batches_split += global_rows == global_batch
+        # Torch's DTensor gives an uneven batch's extra rows to the first
+        # ranks; JAX's probe reports the rounded-up share.
+        assert global_rows // ways <= device_rows <= -(-global_rows // ways), (
+            f"a device held {device_rows} of {global_rows} rows over "
+            f"{ways} devices: not split (records: {recorded})"
+        )
+        whole_batches_split += global_rows == global_batch
     assert whole_batches_split, (
         f"no global batch of {global_batch} rows was seen split {ways} ways "
         f"(records: {recorded})"

@@ -36,8 +36,8 @@ def jax_launch_command(script, *args, options=()):
     return launch + [os.path.join(here, script), *map(str, args)]
 
 
-def run_in_session(command, env, timeout):
-    """Runs `command` to its end; on `timeout`, kills its whole session.
+def run_in_session(command, env, timeout, cwd=None):
+    """Runs `command` (in `cwd`) to its end; on `timeout`, kills its whole session.
 
     Returns:
         A `subprocess.CompletedProcess` with text stdout and stderr.
@@ -52,6 +52,7 @@ def run_in_session(command, env, timeout):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        cwd=cwd,
     )
     try:
         out, err = process.communicate(timeout=timeout)

@@ -24,11 +24,14 @@ def _command():
     return [sys.executable, "-m", "keras_parallel.cli"]
 
 
-def _run(*args, timeout=120, cwd=None):
+def _run(*args, timeout=120, cwd=None, **variables):
+    """Runs the command; `variables` set (or, given `None`, unset) variables."""
     # The keras_parallel these tests imported, also when run from a checkout.
     here = os.path.dirname(os.path.dirname(keras_parallel.__file__))
     path = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, KERAS_BACKEND=BACKEND, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env.update(variables)
+    env = {name: value for name, value in env.items() if value is not None}
     return subprocess.run(
         _command() + list(args),
         capture_output=True,
@@ -51,8 +54,17 @@ def test_env_names_keras_backend_and_devices():
     assert f"keras: {keras.version()}" in result.stdout or "keras-nightly" in (
         result.stdout
     )
-    assert f"KERAS_BACKEND: {BACKEND}" in result.stdout
+    assert f"backend: {BACKEND} (from KERAS_BACKEND)" in result.stdout
     assert "devices: " in result.stdout
+
+
+def test_env_names_the_backend_keras_json_chooses(tmp_path):
+    # No KERAS_BACKEND: Keras reads $KERAS_HOME/keras.json, and so must env.
+    (tmp_path / "keras.json").write_text(f'{{"backend": "{BACKEND}"}}')
+    result = _run("env", KERAS_BACKEND=None, KERAS_HOME=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"backend: {BACKEND} (from {tmp_path / 'keras.json'})" in result.stdout
+    assert "devices: unavailable" not in result.stdout
 
 
 @pytest.mark.parametrize("option", ["--devices", "--batch-size", "--epochs"])
@@ -76,12 +88,17 @@ def test_demo_trains_on_two_devices_and_prints_the_plan():
     assert "Test accuracy: " in result.stdout
 
 
-def test_launch_refuses_zero_processes(tmp_path):
+@pytest.mark.parametrize("count", ["0", "two"])
+def test_launch_refuses_a_count_that_is_not_positive(tmp_path, count):
     script = tmp_path / "train.py"
     script.write_text("print('ran')\n")
-    result = _run("launch", "--backend", "torch", "--nproc", "0", str(script))
-    assert result.returncode == 2
-    assert "--nproc must be a positive number of processes" in result.stderr
+    result = _run("launch", "--backend", "torch", "--nproc", count, str(script))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("keras-parallel launch: error: ")
+    assert (
+        f"--nproc must be a positive number of processes. Received: --nproc {count}"
+        in (result.stderr)
+    )
     assert "Traceback" not in result.stderr and "ran" not in result.stdout
 
 
@@ -108,7 +125,7 @@ def test_launch_needs_a_backend_it_can_launch(tmp_path):
 def test_launch_help_works_with_or_without_torch():
     result = _run("launch", "--help")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "usage: keras-parallel launch" in result.stdout
+    assert "usage: keras-parallel launch [--backend B] [--nproc N]" in result.stdout
     if shutil.which("torchrun") is None and BACKEND != "torch":
         assert "torch is not installed" in result.stdout or "torchrun" in result.stdout
 
@@ -128,3 +145,54 @@ def test_launch_names_the_rank_that_failed_first_not_its_consequences():
     assert first({0: peer, 1: raised}) == 1
     assert first({0: terminated, 1: exited}) == 1
     assert first({0: raised, 1: exited}) == 0  # Same second: the lower rank.
+    # A gloo size mismatch aborts one rank; torchrun then ends the other.
+    aborted = Failure(message="Signal 6 (SIGABRT)", exitcode=-6, timestamp=9)
+    assert first({0: terminated, 1: aborted}) == 1
+
+
+def test_help_names_every_backend_launch_runs_on():
+    result = _run("--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "JAX through `jax.distributed`" in result.stdout
+    assert "TensorFlow through" in result.stdout
+
+
+def test_launch_port_check_takes_a_time_wait_port_not_a_listening_one():
+    import socket
+
+    from keras_parallel.launcher import ports
+
+    # The server side closes first, as the engines' servers do when a run
+    # ends: its end of the connection stays in TIME-WAIT for about 60 s.
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # What the old check did: refused.
+    ports.check_port_free("127.0.0.1", port, role="worker 0")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        taken = listening.getsockname()[1]
+        with pytest.raises(
+            ValueError, match=f"worker 0 port is taken. Received: port {taken}"
+        ):
+            ports.check_port_free("127.0.0.1", taken, role="worker 0")
+
+
+def test_launch_names_a_process_killed_by_a_signal(capfd):
+    # SIGKILL (the out-of-memory killer's) leaves no traceback to point to.
+    from keras_parallel.launcher import supervisor
+
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    code = supervisor.supervise([([sys.executable, "-c", kill], dict(os.environ))])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert "keras-parallel launch: process 0 was killed by signal 9 (SIGKILL)" in err
+    assert "traceback" not in err

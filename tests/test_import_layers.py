@@ -26,6 +26,7 @@ LAYERS = (
         "plan",
         "building",
         "chief",
+        "keras_config",
     ),
     # One executor per backend, and the contract they share.
     ("backends",),

@@ -6,6 +6,10 @@ training through it. The CLI is tested through its torchrun arguments and
 one end-to-end run of a small script.
 """
 
+import contextlib
+import os
+import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -21,7 +25,7 @@ if keras.backend.backend() == "torch":
     pytest.importorskip("torch")
 
 import torch_workers as workers  # noqa: E402
-from subprocesses import checkout_env, run_in_session, running  # noqa: E402
+from subprocesses import checkout_env, gone, run_in_session, running  # noqa: E402
 
 
 def _launch():
@@ -223,3 +227,78 @@ def test_cli_reports_a_rank_raising_in_fit_within_seconds(tmp_path):
     assert "rank 1 failed" in result.stderr
     assert elapsed < 60, elapsed
     assert running(str(tmp_path)) == []
+
+
+def test_cli_takes_the_backend_from_keras_json(tmp_path):
+    # No KERAS_BACKEND: the launcher reads $KERAS_HOME/keras.json as Keras
+    # does (it said "Received: backend None").
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "path = os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + '.txt')\n"
+        "open(path, 'w').write(os.environ['KERAS_BACKEND'])\n"
+    )
+    env = checkout_env(OMP_NUM_THREADS="1", KERAS_HOME=str(tmp_path))
+    del env["KERAS_BACKEND"]
+    launch = [sys.executable, "-m", "keras_parallel.cli", "launch", "--nproc", "2"]
+    result = run_in_session([*launch, str(script), str(tmp_path)], env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "torch"
+
+
+def test_cli_names_a_rank_killed_by_a_signal(tmp_path):
+    # SIGKILL (the out-of-memory killer's) leaves no traceback to point to.
+    source = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    result = _run_cli(tmp_path, source=source, launch_options=["--nproc", "1"])
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "keras-parallel launch: rank 0 was killed by signal 9 (SIGKILL)." in (
+        result.stderr
+    )
+    assert "traceback is above" not in result.stderr
+
+
+def test_cli_ctrl_c_ends_every_rank_with_one_line(tmp_path):
+    # SIGINT to the launcher alone, as the JAX and TensorFlow launches take
+    # it: every rank ended (SIGTERM, no KeyboardInterrupt tracebacks), one
+    # line, exit 130. It printed torchrun's SignalException traceback, exit 1.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "open(os.path.join(sys.argv[1], 'started' + os.environ['RANK']), 'w')\n"
+        "time.sleep(600)\n"
+    )
+    env = checkout_env(KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    launch = [sys.executable, "-m", "keras_parallel.cli", "launch"]
+    launch += ["--backend", "torch", "--nproc", "2", str(script), str(tmp_path)]
+    process = subprocess.Popen(
+        launch,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"started{r}").exists() for r in (0, 1)):
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+        left = gone(str(tmp_path))
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        # torchrun starts each rank in a session of its own.
+        for pid in running(str(tmp_path)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.count("keras-parallel launch:") == 1, err[-3000:]
+    assert "keras-parallel launch: stopped by signal 2; ending every rank." in err
+    assert left == []

@@ -159,6 +159,35 @@ def test_split_rows_covers_every_row_once():
             assert covered == list(range(rows))
 
 
+def test_data_size_is_what_an_epoch_iterates_and_unknown_stays_unknown():
+    from keras_parallel.backends.torch.batches import check_same_data, data_size
+    from keras_parallel.backends.torch.keras_compat import TorchEpochIterator
+
+    def size(x, **kwargs):
+        return data_size(TorchEpochIterator(x=x, **kwargs))
+
+    x = np.zeros((1003, 6), "float32")
+    assert size(x, batch_size=64) == [1003, 16, 64, 43]
+    assert size(x, batch_size=64, steps_per_epoch=5) == [1003, 5, 64, 43]
+    assert size(np.zeros((1024, 6)), batch_size=64) == [1024, 16, 64, 64]
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(1003, 6)), batch_size=64
+    )
+    assert size(loader) == [-1, 16, 64, 43]  # Rows unknown: drop_last may cut.
+
+    def batches():
+        yield (x[:64],)
+
+    assert size(batches()) == [-1, -1, -1, -1]
+    check_same_data([[1003, 16, 64, 43]] * 3)
+    with pytest.raises(ValueError, match="data of different sizes") as raised:
+        check_same_data([[1003, 16, 64, 43], [-1, -1, -1, -1]])
+    assert "rank 0: 1003 rows, 16 steps of batch_size 64 (the last 43 rows)" in str(
+        raised.value
+    )
+    assert "rank 1: rows unknown, steps unknown;" in str(raised.value)
+
+
 # ---------------------------------------------------------- two processes
 @pytest.mark.parametrize("name", list(CASES))
 def test_weights_equal_single_process(two_ranks, single, name):
@@ -335,10 +364,40 @@ def test_rank_zero_alone_prints_and_writes(tmp_path):
 
 # ------------------------------------------------------------- bad input
 def test_different_data_sizes_across_ranks_fail_with_what_to_do():
-    with pytest.raises(
-        ValueError, match="global batches of different (sizes|contents)"
-    ):
+    # The same number of steps (16): only the rows of the last batch differ.
+    with pytest.raises(ValueError, match="data of different sizes") as raised:
         _launch(workers.uneven_data, 2, collective_timeout=30)
+    assert "rank 0: 1003 rows" in str(raised.value)
+    assert "rank 1: 1000 rows" in str(raised.value)
+
+
+DIFFERENT_DATA_CASES = [
+    ("mixin", "fit"),
+    ("mixin", "evaluate"),
+    ("mixin", "predict"),
+    ("callback", "fit"),
+]
+
+
+def test_different_step_counts_fail_on_every_rank_before_a_collective():
+    # 1003 rows on rank 0, 900 on rank 1: 16 steps against 15, verbose=0.
+    # Unchecked, the first collective that differed aborted rank 1 in gloo
+    # (SIGABRT, "Received data size doesn't match expected size").
+    start = time.monotonic()
+    results = _launch(
+        workers.different_data, 2, args=(DIFFERENT_DATA_CASES,), collective_timeout=30
+    )
+    assert time.monotonic() - start < 120
+    for index, case in enumerate(DIFFERENT_DATA_CASES):
+        on_rank_0, on_rank_1 = (messages[index] for messages, _ in results)
+        assert on_rank_0 is not None, f"{case} did not raise"
+        assert on_rank_0 == on_rank_1, case  # The same error on both ranks.
+        assert "data of different sizes" in on_rank_0, case
+        assert "rank 0: 1003 rows, 16 steps" in on_rank_0, case
+        assert "rank 1: 900 rows, 15 steps" in on_rank_0, case
+    # Both ranks trained together afterwards: no collective ran while the
+    # errors unwound.
+    assert results[0][1] == results[1][1]
 
 
 def test_batch_smaller_than_process_count_fails_with_what_to_do():

@@ -364,6 +364,56 @@ def uneven_data(batch_size=64):
     return keras.__version__
 
 
+def different_data(cases, rows_by_rank=(1003, 900)):
+    """Runs each `(door, kind)` on `rows_by_rank[rank]` rows; then one fit.
+
+    Each case must raise the same `ValueError` on every rank before any
+    collective can disagree; a rank that ran a collective while that error
+    unwound would leave the final fit (on equal data) mismatched or hung.
+
+    Args:
+        cases: `(door, kind)` pairs: door `"mixin"` or `"callback"`, kind
+            `"fit"`, `"evaluate"` or `"predict"`; all with `verbose=0`.
+        rows_by_rank: the rows each rank is given.
+
+    Returns:
+        `(messages, history)`: each case's error message, or `None` where it
+        did not raise, and the final fit's loss history.
+    """
+    import keras_parallel
+
+    rank = int(os.environ.get("RANK", "0"))
+    x, y = make_data(rows_by_rank[rank])
+    messages = []
+    for door, kind in cases:
+        callbacks = []
+        if door == "callback":
+            model = make_model(distributed=False)
+            _compile(model)
+            callbacks = [keras_parallel.ShardingCallback(keras_parallel.DataParallel())]
+        else:
+            model = make_model()
+            _compile(model, keras_parallel.DataParallel())
+        kwargs = dict(batch_size=64, verbose=0, callbacks=callbacks)
+        try:
+            if kind == "fit":
+                model.fit(x, y, epochs=1, **kwargs)
+            elif kind == "evaluate":
+                model.evaluate(x, y, **kwargs)
+            else:
+                model.predict(x, **kwargs)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+        for callback in callbacks:
+            callback.close()  # Keras calls no callback after a failed run.
+    x, y = make_data(256)
+    model = make_model()
+    _compile(model, keras_parallel.DataParallel())
+    history = model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    return messages, history.history["loss"]
+
+
 def tiny_batch():
     """batch_size 1 with 2 processes: a ValueError saying what to change."""
     import keras_parallel

@@ -98,6 +98,18 @@ class Executor(abc.ABC):
         """
         return 1
 
+    @classmethod
+    def more_devices_hint(cls):
+        """How to give this backend more than one device, for messages.
+
+        Printed when a distribution runs on one device only
+        (`report.one_device_hint`).
+
+        Returns:
+            What to do, as the end of a sentence (no full stop).
+        """
+        return "run where this backend sees several devices"
+
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
         """Refuses a distribution this backend cannot run.

@@ -54,6 +54,13 @@ def main(argv=None):
 def _runtime(backend):
     """This process's name and the function that starts its runtime."""
     if backend == "tensorflow":
+        # TensorFlow's C++ INFO lines as its server and coordination service
+        # start ("Started server", "has connected", "Example stragglers:"
+        # over a bare "/job:worker/replica:0/task:1" line) say nothing the
+        # launcher does not; its warnings and errors (a worker's lost
+        # heartbeats) still print. Read once, when TensorFlow loads, so set
+        # here, before the import; a level the user set is kept.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         from keras_parallel.backends.tensorflow import workers
 
         name = f"worker {workers.cluster_workers()[1]}"

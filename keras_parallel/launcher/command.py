@@ -1,6 +1,8 @@
 """`keras-parallel launch`: one command for every backend.
 
-The backend is `--backend`, else `KERAS_BACKEND`.
+The backend is `--backend`, else the one Keras would use: `KERAS_BACKEND`,
+else `keras.json` (read as Keras reads it, see `keras_config`), else
+tensorflow.
 
 - torch: `torchrun` (`torch.distributed.run`) by another name. `--nproc N`
   is `--nproc-per-node N`, and `--standalone` (a free local port) is added
@@ -14,17 +16,24 @@ The backend is `--backend`, else `KERAS_BACKEND`.
   `tf_processes`); the bootstrap creates the `MultiWorkerMirroredStrategy`.
 """
 
+import contextlib
+import logging
 import os
+import signal
 import sys
 
+from keras_parallel import keras_config
+from keras_parallel.launcher import supervisor
 from keras_parallel.launcher.checks import check_positive, check_script
 
 _USAGE = (
-    "usage: keras-parallel launch [--backend B] [--nproc-per-node N] "
+    "usage: keras-parallel launch [--backend B] [--nproc N] "
     "[--nnodes M --node-rank R --master-addr A --master-port P] "
     "[--devices-per-process K] [--max-restarts R] script.py [script args]\n\n"
-    "Runs script.py in N processes per node, on the backend B (default: "
-    "$KERAS_BACKEND). torch: through torch.distributed.run (torchrun); every "
+    "Runs script.py in N processes per node (--nproc N, or "
+    "--nproc-per-node N), on the backend B (default: the one Keras would "
+    "use: $KERAS_BACKEND, else keras.json, else tensorflow). torch: "
+    "through torch.distributed.run (torchrun); every "
     "torchrun option works. jax: through jax.distributed; tensorflow: "
     "through tf.distribute.MultiWorkerMirroredStrategy (several nodes: "
     "--node-addrs A0,A1,... and --master-port P; worker g listens on P + g). "
@@ -34,6 +43,9 @@ _USAGE = (
     "the last backup)."
 )
 BACKENDS = ("jax", "tensorflow", "torch")
+#: The words torchrun takes for `--nproc-per-node`: one process per device
+#: of that kind, counted by torchrun.
+_DEVICE_COUNTS = ("auto", "cpu", "gpu", "xpu")
 
 #: The options that choose a rendezvous; without any, `launch` CLI runs
 #: torchrun `--standalone` (a free local port).
@@ -52,9 +64,10 @@ _RENDEZVOUS_OPTIONS = (
 
 
 def main(argv=None):
-    """`keras-parallel launch [--nproc N] [torchrun options] script [args]`.
+    """`keras-parallel launch [--backend B] [--nproc N] [options] script [args]`.
 
-    A thin layer over `torch.distributed.run` (torchrun): `--nproc N` is
+    JAX and TensorFlow: `jax_processes`, `tf_processes`. torch: a thin layer
+    over `torch.distributed.run` (torchrun): `--nproc N` is
     `--nproc-per-node N`, and `--standalone` is added when no rendezvous
     option is given. Every other torchrun option passes through.
 
@@ -63,7 +76,8 @@ def main(argv=None):
 
     Returns:
         The exit status: 0; the failed rank's exit code (1 if it was
-        killed by a signal); 2 for a command that cannot start.
+        killed by a signal); 2 for a command that cannot start; 128 + the
+        signal's number when SIGINT (Ctrl-C) or SIGTERM stopped the launch.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -91,25 +105,108 @@ def main(argv=None):
             return tf_processes.main(argv)
         torchrun_args, script = _torchrun_args(argv)
         _check(torchrun_args, script)
+        torchrun_args = _signals_left_to_launcher(torchrun_args, script)
         torchrun_args = _through_bootstrap(torchrun_args, script)
         os.environ["KERAS_BACKEND"] = "torch"
         from torch.distributed import run
+        from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     except (ValueError, ImportError) as error:
         print(f"keras-parallel launch: error: {_message(error)}", file=sys.stderr)
         return 2
     try:
-        run.run(run.parse_args(torchrun_args))
+        with _signals_end_every_rank(SignalException) as received:
+            run.run(run.parse_args(torchrun_args))
     except ChildFailedError as error:
         rank, failure = _first_cause(error)
+        # A rank that raised left its error file (torch's `record`, in the
+        # bootstrap): its traceback is above even if a signal ended it.
+        raised = os.path.isfile(failure.error_file)
         print(
-            f"keras-parallel launch: rank {rank} failed with exit code "
-            f"{failure.exitcode} (its traceback is above).",
+            f"keras-parallel launch: rank {rank} "
+            f"{supervisor.how_it_ended(failure.exitcode, raised)}.",
             file=sys.stderr,
         )
         # The rank's own exit code (sys.exit(3) gives 3); a signal, 1.
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as error:
+        # A signal torchrun handled itself (SIGHUP, SIGQUIT) is named here;
+        # SIGINT and SIGTERM were named when they came.
+        signum = received[0] if received else int(error.sigval)
+        if not received:
+            _stopped_by(signum)
+        return 128 + signum
     return 0
+
+
+def _stopped_by(signum):
+    print(
+        f"keras-parallel launch: stopped by signal {signum}; ending every rank.",
+        file=sys.stderr,
+    )
+
+
+@contextlib.contextmanager
+def _signals_end_every_rank(signal_exception):
+    """SIGINT (Ctrl-C) or SIGTERM to the launcher ends every rank, quietly.
+
+    torchrun's own handler gives the ranks the signal it got, so Ctrl-C
+    printed a `KeyboardInterrupt` traceback per rank and then its own
+    `SignalException` traceback. Here the launcher handles both signals (and
+    tells torchrun to leave them alone, `_signals_left_to_launcher`):
+    each raises torchrun's `SignalException` asking for SIGTERM, which
+    torchrun's agent sends to every rank (SIGKILL after its grace), as the
+    supervisor does for JAX and TensorFlow. The first names the signal in
+    one line and silences torchrun's warnings about the ranks it ends.
+
+    Args:
+        signal_exception: torchrun's `SignalException` class.
+
+    Yields:
+        The signals received, in order.
+    """
+    received = []
+
+    def stop(signum, frame):
+        if not received:
+            _stopped_by(signum)
+            logging.disable(logging.WARNING)
+        received.append(signum)
+        raise signal_exception(
+            f"keras-parallel launch got signal {signum}", sigval=signal.SIGTERM
+        )
+
+    stopping = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, stop) for s in stopping}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _signals_left_to_launcher(torchrun_args, script):
+    """torchrun's arguments, telling it to handle neither SIGINT nor SIGTERM.
+
+    torchrun installs its handlers when it starts the ranks, over the
+    launcher's (`_signals_end_every_rank`); `--signals-to-handle` (default
+    `SIGTERM,SIGINT,SIGHUP,SIGQUIT`) chooses which. A list the user gave
+    (the option, or `PET_SIGNALS_TO_HANDLE`) is kept.
+
+    Args:
+        torchrun_args: torchrun's arguments, the script and its arguments.
+        script: the script (where torchrun's options end).
+
+    Returns:
+        The arguments.
+    """
+    options = torchrun_args[: torchrun_args.index(script)]
+    names = {"--signals-to-handle", "--signals_to_handle"}
+    if "PET_SIGNALS_TO_HANDLE" in os.environ or any(
+        o.split("=", 1)[0] in names for o in options
+    ):
+        return torchrun_args
+    return ["--signals-to-handle", "SIGHUP,SIGQUIT", *torchrun_args]
 
 
 def _through_bootstrap(torchrun_args, script):
@@ -132,20 +229,35 @@ def _first_cause(error):
     raised `PeerFailedError` (its error file says so) stopped because of
     another, and so did a rank ended by a signal (torchrun sends SIGTERM to
     the rest once one fails): both come after a rank that exited by itself.
+    Among ranks ended by signals, one that torchrun's SIGTERM ended comes
+    after one that another signal ended (SIGABRT from a gloo error).
     """
     failures = error.failures
 
     def order(rank):
         failure = failures[rank]
         peer = "PeerFailedError" in str(failure.message)
-        return (peer, failure.exitcode < 0, failure.timestamp, rank)
+        stopped = failure.exitcode == -signal.SIGTERM
+        return (peer, failure.exitcode < 0, stopped, failure.timestamp, rank)
 
     rank = min(failures, key=order)
     return rank, failures[rank]
 
 
 def _backend(argv):
-    """The backend (`--backend`, else `$KERAS_BACKEND`) and the other args."""
+    """The backend and the other arguments.
+
+    Args:
+        argv: the arguments after `launch`.
+
+    Returns:
+        `(backend, rest)`: `--backend`, else the backend Keras would use
+        (`KERAS_BACKEND`, else `keras.json`, else tensorflow); `rest`
+        without the `--backend` option.
+
+    Raises:
+        ValueError: a backend the launcher cannot start, naming its source.
+    """
     rest = list(argv)
     backend = None
     for i, arg in enumerate(rest):
@@ -159,13 +271,18 @@ def _backend(argv):
             backend = arg.split("=", 1)[1]
             del rest[i]
             break
-    backend = backend or os.environ.get("KERAS_BACKEND")
+    source = "--backend"
+    if not backend:
+        # The backend the script would get without the launcher; read, not
+        # imported: importing Keras here would start a backend in the
+        # launcher, and JAX's runtime must start in its processes.
+        backend, source = keras_config.configured_backend()
     if backend not in BACKENDS:
         raise ValueError(
             "keras-parallel launch starts processes for the jax, tensorflow "
             f"and torch backends. Received: backend {backend!r} (from "
-            "--backend or KERAS_BACKEND); pass --backend jax, --backend "
-            "tensorflow or --backend torch, or set KERAS_BACKEND."
+            f"{source}); pass --backend jax, --backend tensorflow or "
+            "--backend torch, or set KERAS_BACKEND."
         )
     return backend, rest
 
@@ -181,14 +298,25 @@ def _message(error):
 
 def _check(torchrun_args, script):
     """Refuses a launch that would fail in every process, before it starts."""
-    for i, arg in enumerate(torchrun_args):
+    # torchrun's options only: the script's own arguments are not ours.
+    end = torchrun_args.index(script) if script in torchrun_args else None
+    for i, arg in enumerate(torchrun_args[:end]):
         name, _, value = arg.partition("=")
         if name in ("--nproc-per-node", "--nproc_per_node"):
             value = value or (
                 torchrun_args[i + 1] if i + 1 < len(torchrun_args) else ""
             )
-            if value.isdigit():
-                check_positive("--nproc", int(value))
+            if value in _DEVICE_COUNTS:
+                continue
+            try:
+                count = int(value)
+            except ValueError:
+                raise ValueError(
+                    "--nproc must be a positive number of processes. Received: "
+                    f"--nproc {value}; pass e.g. --nproc 2 (or torchrun's "
+                    f"{', '.join(_DEVICE_COUNTS)})."
+                ) from None
+            check_positive("--nproc", count)
     modes = {"-m", "--module", "--no-python", "--no_python"}
     check_script(script, torchrun_args, is_path=not modes.intersection(torchrun_args))
 

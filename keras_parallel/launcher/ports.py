@@ -11,7 +11,7 @@ def free_port(host="127.0.0.1"):
 
 
 def check_port_free(address, port, role="coordinator"):
-    """Refuses a port that something on this node already holds.
+    """Refuses a port that something on this node already listens on.
 
     Args:
         address: the address the process will listen on.
@@ -23,6 +23,12 @@ def check_port_free(address, port, role="coordinator"):
         ValueError: naming the port and the fix.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # Bind as the engines' servers will (gRPC's listeners for TensorFlow's
+        # workers and JAX's coordinator, libuv's for torch's store all set
+        # SO_REUSEADDR): a port whose last run left only TIME-WAIT
+        # connections is free to them, while one that something listens on
+        # is still refused. A plain bind refuses both, for about 60 s.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((address, port))
         except OSError as error:

@@ -103,8 +103,8 @@ def _wait(processes, stopped, label):
                     failure = (rank, code)
                     failed_at = time.monotonic()
                     print(
-                        f"keras-parallel launch: {label} {rank} failed with exit "
-                        f"code {code} (its traceback is above); ending the others.",
+                        f"keras-parallel launch: {label} {rank} "
+                        f"{how_it_ended(code)}; ending the others.",
                         file=sys.stderr,
                     )
                     break
@@ -117,6 +117,35 @@ def _wait(processes, stopped, label):
         return 0
     code = failure[1]
     return code if code > 0 else 1
+
+
+def how_it_ended(code, raised=False):
+    """How a failed process ended, for the launcher's message.
+
+    Args:
+        code: its exit status; negative for the signal that killed it, as
+            `subprocess` and torchrun give it.
+        raised: whether it is known to have printed a traceback before a
+            signal killed it (torchrun: the rank recorded its exception,
+            then was ended while it exited).
+
+    Returns:
+        What follows the process's name: `"failed with exit code 3 (its
+        traceback is above)"`, `"was killed by signal 9 (SIGKILL)"`.
+    """
+    if code >= 0:
+        return f"failed with exit code {code} (its traceback is above)"
+    try:
+        name = f" ({signal.Signals(-code).name})"
+    except ValueError:
+        name = ""
+    if raised:
+        return (
+            f"failed (its traceback is above), then was killed by signal {-code}{name}"
+        )
+    # Killed from outside (SIGKILL: often the kernel's out-of-memory
+    # killer): the process printed nothing, so point to no traceback.
+    return f"was killed by signal {-code}{name}"
 
 
 def _end(processes):

@@ -102,7 +102,8 @@ def launch(
         model.fit(x, y, batch_size=64, epochs=epochs)
         return model.evaluate(x_test, y_test)
 
-    results = keras_parallel.launch(train, num_processes=2, args=(3,))
+    if __name__ == "__main__":  # each process imports this script again
+        results = keras_parallel.launch(train, num_processes=2, args=(3,))
     ```
     """
     import multiprocessing

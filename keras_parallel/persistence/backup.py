@@ -188,10 +188,10 @@ def _restore(callback, metadata, executor):
         except Exception as error:  # noqa: BLE001 - h5py, Keras: many types.
             raise BackupError(
                 f"the backup {weights!r} cannot be loaded into model "
-                f"{model.name!r}: {error}. Received: a backup written by "
-                "another model, or a damaged file; delete the backup folder "
+                f"{model.name!r}: it was written by another model, or the "
+                "file is damaged; delete the backup folder "
                 f"{callback.backup_dir!r} to start afresh, or train the model "
-                "that wrote it."
+                f"that wrote it. The load failed with: {_root_cause(error)}"
             ) from error
     if ours:
         _set_random_state(model, executor, ours["random_state"])
@@ -210,6 +210,18 @@ def _read_metadata(path):
             f"the backup metadata {path!r} is not JSON ({error}). Received: "
             f"{text[:80]!r}; delete the backup folder to start afresh."
         ) from None
+
+
+def _root_cause(error):
+    """The first error of `error`'s chain, as `Type: message`.
+
+    A `DistributedModel`'s `load_weights` wraps Keras's error in its own,
+    which names the file and gives the fix for a file loaded by hand; the
+    backup's message says both for a backup, so it quotes only the cause.
+    """
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return f"{type(error).__name__}: {error}"
 
 
 def _is_weights_file(name):

@@ -10,10 +10,11 @@ global. So this executor
 - moves every existing variable to its planned `NamedSharding` (`apply`),
 - installs a `PlannedDistribution` as the global distribution only while an
   entry point runs (`scope`), restoring whatever was there before,
-- and, for that time only, lays out a batch that the data axis does not
-  divide replicated instead of split (see `distribute_batch`),
+- and, for that time only, places a batch that the data axis does not
+  divide whole on every device (`distribute_batch`) and splits it inside
+  the compiled step (`_jit_splitting_batches`), so every batch is split,
 - and, on CPU devices only, compiles the step without buffer donation and
-  waits for each step (see `wrap_step` and `_jit_without_donation`).
+  waits for each step (see `wrap_step` and `_jit_splitting_batches`).
 """
 
 import contextlib
@@ -42,10 +43,11 @@ class PlannedDistribution(Distribution):
     It differs from the user's distribution in two ways that make `fit` equal
     one-device training:
 
-    - A batch whose size the data axis does not divide (the last batch of an
-      epoch, say 43 samples over 8 devices) is laid out replicated rather than
-      refused or padded: every sample counts once, and BatchNorm sees the
-      true batch.
+    - A batch whose size the data axis does not divide (`batch_size=100`
+      over 8 devices, or the last batch of an epoch) is placed whole on
+      every device rather than refused or padded, and split inside the
+      step (`_jit_splitting_batches`): every sample counts once, and
+      BatchNorm sees the true batch.
     - Output keys resolve by path suffix (`d2/output` for `net/block/d2`).
 
     Args:
@@ -76,6 +78,20 @@ class PlannedDistribution(Distribution):
             axes[0] = self.plan.batch_axis
         return TensorLayout(axes, self.device_mesh)
 
+    def batch_sharding(self):
+        """The sharding that splits a batch's rows over the data axis.
+
+        Returns:
+            A `jax.sharding.NamedSharding`, or `None` where the data axis
+            has one device (nothing to split).
+        """
+        if self.plan.data_parallel_size == 1:
+            return None
+        return jax.sharding.NamedSharding(
+            self.device_mesh.backend_mesh,
+            jax.sharding.PartitionSpec(self.plan.batch_axis),
+        )
+
     def get_variable_layout(self, variable):
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
@@ -105,6 +121,15 @@ class JaxExecutor(Executor):
     @classmethod
     def list_devices(cls):
         return keras.distribution.list_devices()
+
+    @classmethod
+    def more_devices_hint(cls):
+        # JAX fixes its devices when it starts: the flag must come first.
+        return (
+            "run where JAX sees several GPUs or TPUs, or, on a CPU, set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX "
+            "is imported (8 simulated devices)"
+        )
 
     def device_names(self, devices):
         return [
@@ -188,11 +213,13 @@ class JaxExecutor(Executor):
             "distribute_data_input",
             functools.partial(distribute_batch, previous=lib.distribute_data_input),
         )
-        if self._on_cpu():
-            jit = functools.partial(
-                _jit_without_donation, previous=keras_jax_trainer.jit
-            )
-            replacements.replace(keras_jax_trainer, "jit", jit)
+        jit = functools.partial(
+            _jit_splitting_batches,
+            previous=keras_jax_trainer.jit,
+            batch_sharding=self._planned.batch_sharding(),
+            donate=not self._on_cpu(),
+        )
+        replacements.replace(keras_jax_trainer, "jit", jit)
         chief_only = None
         if processes.is_multi_process():
             # One shuffle for all processes: process 0's.
@@ -335,10 +362,12 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous):
 
     Keras's JAX epoch iterator computes the data layout from the first batch
     and reuses it, so the last batch of an epoch (43 samples over 8 devices)
-    would be refused as indivisible. Such a batch is placed replicated: each
-    device sees the whole batch, the step computes exactly what one device
-    would, and no sample is padded, dropped or repeated. It costs one extra
-    compilation, which a batch of a new shape costs on one device too.
+    would be refused as indivisible. A `NamedSharding` cannot split such a
+    batch (its shards must be equal), so it is placed whole on every device
+    and the compiled step splits it (`_jit_splitting_batches`): no sample is
+    padded, dropped or repeated. It costs one extra compilation, which a
+    batch of a new shape costs on one device too, and a transfer of the
+    whole batch to every device rather than of its rows to each.
 
     `previous` is the function this one replaced (Keras's).
     """
@@ -360,16 +389,67 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous):
     return previous(per_process_batch, sharding, batch_dim_name)
 
 
-def _jit_without_donation(function, *args, previous, donate_argnums=None, **kwargs):
-    """Keras's step `jit`, without donating the state's buffers.
+def _jit_splitting_batches(function, *args, previous, batch_sharding, donate, **kwargs):
+    """Keras's step `jit`, the step's batch split over the data axis inside it.
 
-    Keras donates the state to its compiled step so that an accelerator
-    holds one copy of the variables, not two. On XLA:CPU, over several
-    devices, the donated step of the guide's convnet was 4.5 to 5.4 % slower
-    at batch 512 here (at batch 64 the whole `fit` was faster donated, as it
-    frees no state per step; docs/benchmarks.md), and the copy it saves
-    lives in host memory. The guide's own loop does not donate.
-    Accelerators keep Keras's donation. `previous` is the `jit` this one
-    replaced.
+    A batch the data axis does not divide cannot be placed split (a
+    `NamedSharding` needs equal shards), so `distribute_batch` places it
+    whole on every device; inside the compiled step it is then constrained
+    to the data axis like any other batch. XLA splits it as evenly as it
+    can (100 rows over 8 devices: 13 rows on each of 7, 9 on the last,
+    padded to 13) and leaves the padding out of every result: a sharding
+    never changes what a program computes. A batch placed split already is
+    left as it is.
+
+    Args:
+        function: the function Keras compiles: a step `(state, data)`, or
+            (`steps_per_execution > 1` in `predict`) its one-argument
+            concatenation, compiled unchanged.
+        *args: `jit`'s other positional arguments.
+        previous: the `jit` this one replaced (Keras's).
+        batch_sharding: the sharding a batch's rows are split by
+            (`PlannedDistribution.batch_sharding`); `None` splits nothing.
+        donate: whether to keep Keras's buffer donation. Keras donates the
+            state to its step so that an accelerator holds one copy of the
+            variables, not two; accelerators keep it. On XLA:CPU, over
+            several devices, the donated step of the guide's convnet was
+            4.5 to 5.4 % slower at batch 512 here (at batch 64 the whole
+            `fit` was faster donated, as it frees no state per step;
+            docs/benchmarks.md), and the copy it saves lives in host
+            memory; the guide's own loop does not donate.
+        **kwargs: `jit`'s keyword arguments.
+
+    Returns:
+        The compiled function.
     """
-    return previous(function, *args, **kwargs)
+    if not donate:
+        kwargs.pop("donate_argnums", None)
+    if batch_sharding is None:
+        return previous(function, *args, **kwargs)
+
+    def step(*step_args):
+        if len(step_args) == 2:
+            state, data = step_args
+            step_args = (state, _split_rows(data, batch_sharding))
+        return function(*step_args)
+
+    return previous(step, *args, **kwargs)
+
+
+def _split_rows(data, sharding):
+    """Every array of `data` with the batch's rows, constrained to `sharding`.
+
+    The batch's rows are the first dimension of its first array; an array
+    of another length (none in Keras's own data) is left as it is.
+    """
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(data) if np.ndim(leaf)]
+    if not leaves:
+        return data
+    rows = leaves[0].shape[0]
+
+    def split(leaf):
+        if np.ndim(leaf) and leaf.shape[0] == rows:
+            return jax.lax.with_sharding_constraint(leaf, sharding)
+        return leaf
+
+    return jax.tree_util.tree_map(split, data)

@@ -9,11 +9,12 @@ shardings before keras_parallel lays them out).
 from keras_parallel.keras_compat import find, internal
 from keras_parallel.replacement_targets import Target
 
-#: `jit` compiles Keras's step; on CPU devices the executor replaces it, in
-#: scope, by one without buffer donation (`executor._jit_without_donation`).
+#: `jit` compiles Keras's step; the executor replaces it, in scope, by one
+#: that splits the step's batch inside it, without buffer donation on CPU
+#: devices (`executor._jit_splitting_batches`).
 trainer = internal("keras.src.backend.jax.trainer", "jit")
 #: `distribute_data_input` lays out each batch; replaced in scope so that a
-#: batch the data axis does not divide is laid out replicated.
+#: batch the data axis does not divide is placed whole, for the step to split.
 distribution_lib = internal(
     "keras.src.backend.jax.distribution_lib", "distribute_data_input"
 )
@@ -34,15 +35,17 @@ REPLACED = (
     Target(
         "keras.src.backend.jax.distribution_lib",
         "distribute_data_input",
-        "a batch the data axis does not divide is laid out replicated "
-        "(Keras reuses the first batch's layout); across processes each "
-        "places its own rows (`executor.distribute_batch`)",
+        "a batch the data axis does not divide is placed whole on every "
+        "device, for the step to split (Keras reuses the first batch's "
+        "layout); across processes each places its own rows "
+        "(`executor.distribute_batch`)",
     ),
     Target(
         "keras.src.backend.jax.trainer",
         "jit",
-        "CPU devices: the step compiled without buffer donation "
-        "(`executor._jit_without_donation`)",
+        "every batch split inside the step, one the devices do not divide "
+        "too; CPU devices: the step compiled without buffer donation "
+        "(`executor._jit_splitting_batches`)",
     ),
     *(
         Target(

@@ -89,6 +89,15 @@ class TensorFlowExecutor(Executor):
             tf_devices.split_cpu(num_devices)
         return 1
 
+    @classmethod
+    def more_devices_hint(cls):
+        # TensorFlow fixes its devices when its runtime starts.
+        return (
+            "run where TensorFlow sees several GPUs, or, on a CPU, call "
+            "keras_parallel.split_cpu(8) before TensorFlow runs anything "
+            "(8 logical devices)"
+        )
+
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
         if not isinstance(distribution, DataParallel) or getattr(

@@ -1,14 +1,15 @@
 """The global batch, seen from one rank: its rows and its identity.
 
 Every rank iterates the same global batches; these helpers say which rows a
-rank computes, cut them out of any nest of arrays, and give a cheap checksum
-that lets the ranks check they are looking at the same batch.
+rank computes, cut them out of any nest of arrays, give the size of the data
+an epoch iterates (which the ranks compare before the epoch starts), and a
+cheap checksum that lets the ranks check they are looking at the same batch.
 """
 
 import numpy as np
 import torch
 
-from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.keras_compat import ArrayDataAdapter, tree
 
 
 def split_rows(rows, world_size, rank):
@@ -64,6 +65,79 @@ def checksum(data):
         if isinstance(leaf, np.ndarray) and leaf.dtype != object:
             return float(np.sum(leaf, dtype=np.float64))
     return 0.0
+
+
+def data_size(iterator):
+    """The size of the data one rank is about to iterate for an epoch.
+
+    Args:
+        iterator: Keras's epoch iterator (`TorchEpochIterator`).
+
+    Returns:
+        `[rows, steps, batch_size, last_batch]` as ints, -1 where unknown:
+        the rows of the data (arrays only), the steps of the epoch
+        (`steps_per_epoch`, else the batches of the data), the batch size,
+        and the size of the last batch.
+
+    Example: 1003 rows of arrays in batches of 64 give
+    `[1003, 16, 64, 43]`; a generator gives `[-1, -1, -1, -1]`.
+    """
+    adapter = getattr(iterator, "data_adapter", None)
+    steps = _known(lambda: iterator.num_batches)
+    batches = _known(lambda: adapter.num_batches)
+    batch_size = _known(lambda: adapter.batch_size)
+    partial = _known(lambda: adapter.partial_batch_size)
+    last = partial or batch_size
+    rows = None
+    if isinstance(adapter, ArrayDataAdapter) and None not in (batches, batch_size):
+        rows = (batches - 1) * batch_size + last if batches else 0
+    return [-1 if v is None else v for v in (rows, steps, batch_size, last)]
+
+
+def _known(read):
+    # Adapters without a size raise NotImplementedError or return None.
+    try:
+        value = read()
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+    return int(value) if isinstance(value, (int, np.integer)) else None
+
+
+def check_same_data(sizes):
+    """Raises the same `ValueError` on every rank if their data differ in size.
+
+    Args:
+        sizes: one `data_size` per rank, in rank order (all ranks hold the
+            same list, gathered).
+
+    Raises:
+        ValueError: naming every rank's sizes.
+    """
+    if all(s == sizes[0] for s in sizes[1:]):
+        return
+    described = "; ".join(
+        f"rank {rank}: {_describe_size(size)}" for rank, size in enumerate(sizes)
+    )
+    raise ValueError(
+        "The ranks were given data of different sizes, but every rank must "
+        "iterate the same global batches (keras_parallel splits each batch "
+        f"over the ranks itself). Received: {described}; give every process "
+        "the whole data set (the same data, not a per-rank shard), with the "
+        "same batch_size and steps."
+    )
+
+
+def _describe_size(size):
+    """`"1003 rows, 16 steps of batch_size 64 (the last 43 rows)"`."""
+    rows, steps, batch_size, last = (None if v < 0 else v for v in size)
+    parts = [f"{rows} rows" if rows is not None else "rows unknown"]
+    steps_text = f"{steps} steps" if steps is not None else "steps unknown"
+    if batch_size is not None:
+        steps_text += f" of batch_size {batch_size}"
+        if last is not None and last != batch_size:
+            steps_text += f" (the last {last} rows)"
+    parts.append(steps_text)
+    return ", ".join(parts)
 
 
 def check_same_batches(extra, rank, rows):

@@ -18,7 +18,8 @@ same global batches; this executor supplies only what it needs:
 - the collectives, over `torch.distributed`, doing nothing in one process.
 
 In a single process with no process group (no `torchrun`), `DataParallel()`
-spans one device and `fit` is plain Keras, after one info line.
+spans one device and `fit` is plain Keras, after one info line (printed by
+the binding on every backend: `report.one_device_hint`).
 
 A `ModelParallel` whose mesh splits more than the batch is handed to
 `model_parallel.MeshRunner` (DTensor variables on a torch `DeviceMesh`);
@@ -40,7 +41,6 @@ from keras_parallel.backends.torch.steps import DDPModule, RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
-from keras_parallel.keras_compat import print_msg
 
 _SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
 
@@ -62,7 +62,6 @@ class TorchExecutor(Executor):
         self._steps = None
         self._model = None
         self._undo_saving = None
-        self._announced_single = False
         #: Set by `check` for a ModelParallel that splits variables.
         self._mesh_runner = None
 
@@ -92,6 +91,14 @@ class TorchExecutor(Executor):
         if torch.cuda.is_available():
             return torch.cuda.device_count()
         return num_devices
+
+    @classmethod
+    def more_devices_hint(cls):
+        # One process per device: a lone process is one device, GPUs or not.
+        return (
+            "start one process per device: `keras-parallel launch --nproc 2 "
+            "script.py` or `torchrun --nproc-per-node 2 script.py`"
+        )
 
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
@@ -144,13 +151,8 @@ class TorchExecutor(Executor):
             self._close_ddp()
         self._model = model
         if self.num_processes == 1:
-            if not self._announced_single:
-                self._announced_single = True
-                print_msg(
-                    "keras_parallel: one process and no torch process group, "
-                    "so DataParallel trains on one device. Start several "
-                    "processes with `torchrun` or `keras-parallel launch`."
-                )
+            # Plain Keras on one device; the binding says so
+            # (`report.one_device_hint`).
             return
         self._fold_rank_into_seeds(model)
         self._ddp = None  # Drop the old wrapper before making the new.

@@ -20,6 +20,17 @@ if torch_trainer_with_ddp is not None:
         "Trainer.get_metrics_result",
         "Trainer._initialize_ddp",
     )
+#: The epoch iterator of Keras's torch `fit`, `evaluate` and `predict`: its
+#: `__iter__` (where an epoch starts) is replaced in scope so that the ranks
+#: compare the size of the data they are about to iterate (`steps`).
+TorchEpochIterator = internal(
+    "keras.src.backend.torch.trainer", "TorchEpochIterator.__iter__"
+).TorchEpochIterator
+#: Data given as arrays (NumPy, torch, ...): the only adapter whose row count
+#: its public sizes tell exactly (a `DataLoader` may drop its last batch).
+ArrayDataAdapter = internal(
+    "keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter"
+).ArrayDataAdapter
 #: Keras's nested-structure utilities (flatten / map_structure).
 tree = internal("keras.src.tree", "flatten", "map_structure")
 #: `CallbackList.on_train_begin` / `on_test_begin` are replaced in scope to
@@ -78,6 +89,12 @@ REPLACED = (
         ("train_step", "test_step", "predict_step", "get_metrics_result"),
         "per-rank steps and global metrics (`steps.py`)",
         on_instances=True,
+    ),
+    Target(
+        "keras.src.backend.torch.trainer.TorchEpochIterator",
+        "__iter__",
+        "every rank compares the size of its data with the others' before an "
+        "epoch's first collective (`steps.py`)",
     ),
     Target(
         "keras.src.models.model.Model",

@@ -25,16 +25,21 @@ rewrite `fit`'s arguments, but both can reach the step):
   has. It happens after every step when a callback reads per-step logs,
   else once, when Keras reads the results at the end of the epoch or
   evaluation (see `torch_step_logs`).
-- Check: the same reduction carries each rank's global batch size and a
-  checksum of its first input, so ranks fed different data (other sizes,
-  another shuffle) fail with a `ValueError` instead of silently training on
-  something else.
+- Check: when an epoch starts (and `evaluate` or `predict`), every rank
+  gathers every rank's data size (rows, steps, batch size: one all-gather
+  of a fixed shape) and all raise the same `ValueError` if they differ,
+  before any collective whose size depends on the data. The metrics'
+  reduction then carries each rank's global batch size and a checksum of
+  its first input, so ranks fed other contents (another shuffle) or data
+  of a size no rank knew (a generator) fail with a `ValueError` instead of
+  silently training on something else.
 - Predict: each rank predicts its rows, and the rows are gathered back into
   input order on every rank.
 """
 
 import contextlib
 import math
+import sys
 
 import numpy as np
 import torch
@@ -44,11 +49,17 @@ from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.batches import (
     batch_rows,
     check_same_batches,
+    check_same_data,
     checksum,
+    data_size,
     slice_rows,
     split_rows,
 )
-from keras_parallel.backends.torch.keras_compat import local_metrics_result, tree
+from keras_parallel.backends.torch.keras_compat import (
+    TorchEpochIterator,
+    local_metrics_result,
+    tree,
+)
 from keras_parallel.backends.torch.random_stream import RankRandomStream
 from keras_parallel.replacements import Replacements
 
@@ -128,6 +139,9 @@ class RankSteps:
                 model, name, self._wrap(getattr(model, name), kind)
             )
         self._replacements.replace(model, "get_metrics_result", self._metrics_result)
+        self._replacements.replace(
+            TorchEpochIterator, "__iter__", self._epoch_begins(TorchEpochIterator)
+        )
         self._step = 0
         # Until a run's callbacks say otherwise (train_on_batch has none,
         # and returns its logs to the user): global logs at every step.
@@ -146,6 +160,56 @@ class RankSteps:
         if self._pending is not None and not self._in_step:
             self._reduce_metrics()  # What the last run left local.
         self._global_step_logs = bool(on)
+
+    # ------------------------------------------------------ the data
+    def _epoch_begins(self, iterator_class):
+        """`__iter__` of Keras's epoch iterator, comparing the data first.
+
+        Keras's torch `fit` (each epoch, and its validation), `evaluate`
+        and `predict` start iterating their data there, before any
+        collective whose size depends on the data.
+        """
+        keras_iter = iterator_class.__iter__
+
+        def begin_epoch(iterator):
+            # Only the iterations of this model's own run: a model a callback
+            # runs on one rank alone must not start a collective. Keras's
+            # trainer iterates in a method of the model (`fit`, `evaluate`,
+            # `predict`, `_symbolic_build`).
+            if sys._getframe(1).f_locals.get("self") is self.model:
+                self._check_same_data(iterator)
+            return keras_iter(iterator)
+
+        return begin_epoch
+
+    def _check_same_data(self, iterator):
+        """Every rank gathers every rank's `data_size`, and all judge alike.
+
+        Ranks whose data differ in size would run different numbers of
+        steps, or steps of different sizes, and the first collective that
+        differs aborts gloo ("Received data size doesn't match expected
+        size") or hangs: one all-gather of a fixed shape, once per epoch,
+        turns that into the same `ValueError` on every rank.
+        """
+        mine = torch.tensor(data_size(iterator), dtype=torch.int64)
+        if torch_group.device_type() == "cuda":
+            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(parts, mine)
+        except Exception as error:
+            if _is_collective_failure(error):
+                raise torch_group.peer_failed_error(
+                    error, self.rank, "the check of the data's size"
+                ) from error
+            raise
+        try:
+            check_same_data([p.tolist() for p in parts])
+        except ValueError as error:
+            # Every rank raises it, but a rank that gets to another
+            # collective first (a user's own) still learns why.
+            torch_group.publish_failure(self.rank, error)
+            raise
 
     # ---------------------------------------------------------- steps
     def _wrap(self, step, kind):
