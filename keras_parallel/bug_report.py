@@ -2,13 +2,14 @@
 
 The versions of Python, keras_parallel, Keras and every backend library
 installed (read from the package metadata, so nothing is imported that the
-report does not need), the backend Keras would use, and the devices it sees.
+report does not need), the backend Keras would use, the cluster environment
+detected (`cluster_environments`), and the devices it sees.
 """
 
 import importlib.metadata
 import platform
 
-from keras_parallel import keras_config
+from keras_parallel import cluster_environments, keras_config
 
 _PACKAGES = (
     "keras",
@@ -65,5 +66,7 @@ def report():
     # script gets, and where that comes from (KERAS_BACKEND, keras.json).
     backend, source = keras_config.configured_backend()
     lines.append(f"backend: {backend} (from {source})")
+    environment = cluster_environments.describe_environment()
+    lines.append(f"cluster environment: {environment}")
     lines.append(f"devices: {_devices()}")
     return "\n".join(lines)

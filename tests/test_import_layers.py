@@ -27,6 +27,7 @@ LAYERS = (
         "building",
         "chief",
         "keras_config",
+        "cluster_environments",
     ),
     # One executor per backend, and the contract they share.
     ("backends",),

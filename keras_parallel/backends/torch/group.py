@@ -5,7 +5,10 @@ them: each finds its rank in `RANK` / `WORLD_SIZE` / `LOCAL_RANK`. If those
 say there are several processes and no group exists yet, keras_parallel
 starts one (NCCL on `cuda:LOCAL_RANK` where there are GPUs, gloo on CPU
 otherwise) and, because it started it, destroys it at exit. A group the user
-started is the user's to destroy.
+started is the user's to destroy. Started by a cluster's own launcher
+(`srun`, `mpirun`, Keras's `KERAS_DISTRIBUTION_*`), a process finds those
+variables unset: they are filled from the detected cluster environment
+(`keras_parallel.cluster_environments`) first.
 
 A failing rank is named: the step that raises writes `"<rank>: <error>"`
 under `FAILURE_KEY` in the group's store before re-raising, and a rank whose
@@ -21,6 +24,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from keras_parallel import cluster_environments
 
 #: Where a failing rank leaves its name and error in the group's store.
 FAILURE_KEY = "keras_parallel/failed"
@@ -85,6 +90,8 @@ def ensure_process_group():
             built without `torch.distributed`.
     """
     global _started_here
+    if not (dist.is_available() and dist.is_initialized()):
+        fill_from_cluster_environment()
     if not dist.is_available():
         if env_world_size() > 1:
             raise RuntimeError(
@@ -119,6 +126,34 @@ def ensure_process_group():
     _started_here = True
     atexit.register(teardown)
     return dist.get_world_size() > 1
+
+
+def fill_from_cluster_environment(environ=None):
+    """Sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`
+    from the cluster environment, where they are unset.
+
+    Under torchrun or `keras-parallel launch` they are all set already; under
+    `srun` or `mpirun` none is, and the detected environment gives them.
+
+    Args:
+        environ: the variables to read and fill; `os.environ` when None.
+
+    Returns:
+        The names it set.
+
+    Raises:
+        ClusterEnvironmentError: a variable of the environment is wrong; it
+            is named.
+    """
+    environ = os.environ if environ is None else environ
+    env = cluster_environments.detect_cluster_environment(environ)
+    if env is None or env.world_size() <= 1:
+        return []
+    wanted = cluster_environments.environment_variables(env, "torch")
+    filled = [name for name in wanted if not environ.get(name)]
+    for name in filled:
+        environ[name] = wanted[name]
+    return filled
 
 
 def _store_of_this_attempt(timeout):
