@@ -395,7 +395,8 @@ def _jit_splitting_batches(function, *args, previous, batch_sharding, donate, **
     A batch the data axis does not divide cannot be placed split (a
     `NamedSharding` needs equal shards), so `distribute_batch` places it
     whole on every device; inside the compiled step it is then constrained
-    to the data axis like any other batch. XLA splits it as evenly as it
+    to the data axis like any other batch (on a mesh whose only axis of
+    several devices is the data axis). XLA splits it as evenly as it
     can (100 rows over 8 devices: 13 rows on each of 7, 9 on the last,
     padded to 13) and leaves the padding out of every result: a sharding
     never changes what a program computes. A batch placed split already is
@@ -424,7 +425,10 @@ def _jit_splitting_batches(function, *args, previous, batch_sharding, donate, **
     """
     if not donate:
         kwargs.pop("donate_argnums", None)
-    if batch_sharding is None:
+    if batch_sharding is None or _has_other_axes(batch_sharding.mesh):
+        # On a mesh with a second axis, XLA's padded split of an uneven
+        # batch gives a gather (Embedding) a wrong gradient (seen on (4, 2),
+        # (2, 4), (2, 2) in plain JAX): that batch stays whole there.
         return previous(function, *args, **kwargs)
 
     def step(*step_args):
@@ -434,6 +438,11 @@ def _jit_splitting_batches(function, *args, previous, batch_sharding, donate, **
         return function(*step_args)
 
     return previous(step, *args, **kwargs)
+
+
+def _has_other_axes(mesh):
+    """Whether more than one axis of `mesh` spans several devices."""
+    return sum(size > 1 for size in mesh.shape.values()) > 1
 
 
 def _split_rows(data, sharding):
