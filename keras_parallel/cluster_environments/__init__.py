@@ -1,0 +1,101 @@
+"""The cluster a process was started in, read from its environment.
+
+On a cluster the scheduler starts the processes (`srun python train.py`,
+`mpirun -n 8 python train.py`, a Kubernetes job), and each learns its place
+from the variables the launcher sets. One class per launcher reads them, in
+Lightning's shape (`detect()`, `world_size()`, `global_rank()`,
+`local_rank()`, `node_rank()`, `main_address()`, `main_port()`):
+
+- `KerasDistributionEnvironment`: Keras's own `KERAS_DISTRIBUTION_*`
+  (`keras.distribution.initialize`; `keras-parallel launch --backend jax`);
+- `TorchElasticEnvironment`: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+  `MASTER_PORT` (torchrun, a Kubeflow PyTorchJob);
+- `SlurmEnvironment`: `srun` (`SLURM_PROCID`, `SLURM_NTASKS`, ...);
+- `OpenMPIEnvironment`: `mpirun` (`OMPI_COMM_WORLD_*`).
+
+`detect_cluster_environment()` returns the first that applies, in that
+order (an explicit setting wins over what a launcher around it set), or
+None on a bare machine. `environment_variables(env, backend)` turns one
+into what each backend's runtime reads: torch's `RANK`... `MASTER_PORT`,
+the `KERAS_DISTRIBUTION_*` that become `jax.distributed.initialize`'s
+arguments, TensorFlow's `TF_CONFIG`.
+
+A value that cannot be right (a rank out of range, a world size below 1, no
+address) raises `ClusterEnvironmentError` naming the variable to fix, when
+it is read. A ground-layer module: it imports neither Keras nor a backend,
+so the launcher and `keras-parallel env` can use it.
+"""
+
+from keras_parallel.cluster_environments.base import (
+    ClusterEnvironment,
+    ClusterEnvironmentError,
+)
+from keras_parallel.cluster_environments.engine_variables import (
+    BACKENDS,
+    environment_variables,
+    jax_initialize_arguments,
+)
+from keras_parallel.cluster_environments.keras_distribution import (
+    KerasDistributionEnvironment,
+)
+from keras_parallel.cluster_environments.nodelists import (
+    expand_nodelist,
+    expand_tasks_per_node,
+)
+from keras_parallel.cluster_environments.openmpi import OpenMPIEnvironment
+from keras_parallel.cluster_environments.slurm import SlurmEnvironment
+from keras_parallel.cluster_environments.torchelastic import TorchElasticEnvironment
+
+__all__ = [
+    "BACKENDS",
+    "ENVIRONMENTS",
+    "ClusterEnvironment",
+    "ClusterEnvironmentError",
+    "KerasDistributionEnvironment",
+    "OpenMPIEnvironment",
+    "SlurmEnvironment",
+    "TorchElasticEnvironment",
+    "describe_environment",
+    "detect_cluster_environment",
+    "environment_variables",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+    "jax_initialize_arguments",
+]
+
+ENVIRONMENTS = (
+    KerasDistributionEnvironment,
+    TorchElasticEnvironment,
+    SlurmEnvironment,
+    OpenMPIEnvironment,
+)
+
+
+def detect_cluster_environment(environ=None):
+    """The environment this process was started in, or None on a bare machine.
+
+    Args:
+        environ: the variables to read; `os.environ` when None.
+
+    Returns:
+        An instance of the first of `ENVIRONMENTS` whose `detect()` is true
+        (not yet validated: `validate()` reads every value), or None.
+    """
+    for environment in ENVIRONMENTS:
+        if environment.detect(environ):
+            return environment(environ)
+    return None
+
+
+def describe_environment(environ=None):
+    """`keras-parallel env`'s line: the detected environment, or none.
+
+    Never raises: a wrong variable is reported with its error.
+    """
+    env = detect_cluster_environment(environ)
+    if env is None:
+        return "none (a bare machine: use keras-parallel launch)"
+    try:
+        return env.describe()
+    except ClusterEnvironmentError as error:
+        return f"{env.name}, misconfigured: {error}"

@@ -1,0 +1,171 @@
+"""What every cluster environment shares: the base class and its error."""
+
+import os
+
+
+class ClusterEnvironmentError(ValueError):
+    """A variable of the cluster's environment is missing or wrong."""
+
+
+def environment_error(what, received, fix):
+    """A `ClusterEnvironmentError` in the form "what. Received: ...; fix."."""
+    return ClusterEnvironmentError(f"{what}. Received: {received}; {fix}.")
+
+
+def host_port(host, port):
+    """`host:port`, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ClusterEnvironment:
+    """What a launcher tells each process: the base of every environment.
+
+    Args:
+        environ: the variables to read; `os.environ` when None.
+
+    Subclasses name their variables (`WORLD_SIZE_VAR`, `RANK_VAR`, ...) and
+    read the address and port their own way.
+    """
+
+    #: A short name, for messages and `keras-parallel env`.
+    name = None
+    WORLD_SIZE_VAR = None
+    RANK_VAR = None
+    LOCAL_RANK_VAR = None
+
+    def __init__(self, environ=None):
+        self.environ = os.environ if environ is None else environ
+
+    @classmethod
+    def detect(cls, environ=None):
+        """Whether the process was started in this environment."""
+        raise NotImplementedError
+
+    def _get(self, variable):
+        value = self.environ.get(variable)
+        return value.strip() if value and value.strip() else None
+
+    def _int(self, variable, required=True):
+        value = self._get(variable)
+        if value is None:
+            if not required:
+                return None
+            raise environment_error(
+                f"{self.name}: {variable} is not set",
+                f"no {variable} in this process's environment",
+                f"set {variable} (the {self.name} launcher sets it)",
+            )
+        try:
+            return int(value)
+        except ValueError:
+            raise environment_error(
+                f"{self.name}: {variable} must be a whole number",
+                f"{variable}={value!r}",
+                f"set {variable} to a number",
+            ) from None
+
+    def world_size(self):
+        """How many processes the job has, 1 or more."""
+        size = self._int(self.WORLD_SIZE_VAR)
+        if size < 1:
+            raise environment_error(
+                f"{self.name}: {self.WORLD_SIZE_VAR} must be at least 1",
+                f"{self.WORLD_SIZE_VAR}={size}",
+                f"set {self.WORLD_SIZE_VAR} to the number of processes",
+            )
+        return size
+
+    def global_rank(self):
+        """This process's rank, in `[0, world_size())`."""
+        rank, size = self._int(self.RANK_VAR), self.world_size()
+        if not 0 <= rank < size:
+            raise environment_error(
+                f"{self.name}: {self.RANK_VAR} must be in [0, {size})",
+                f"{self.RANK_VAR}={rank}, {self.WORLD_SIZE_VAR}={size}",
+                f"give the {size} processes the ranks 0 to {size - 1}, "
+                f"or fix {self.WORLD_SIZE_VAR}",
+            )
+        return rank
+
+    def local_rank(self):
+        """This process's index on its node, or None where not told."""
+        rank = self._int(self.LOCAL_RANK_VAR, required=False)
+        if rank is not None and rank < 0:
+            raise environment_error(
+                f"{self.name}: {self.LOCAL_RANK_VAR} must be 0 or more",
+                f"{self.LOCAL_RANK_VAR}={rank}",
+                f"set {self.LOCAL_RANK_VAR} to this process's index on its node",
+            )
+        return rank
+
+    def node_rank(self):
+        """This node's index, or None where the environment does not tell."""
+        return None
+
+    def main_address(self):
+        """The host of rank 0, where the others meet."""
+        raise NotImplementedError
+
+    def main_port(self):
+        """The port on `main_address()` where the others meet."""
+        raise NotImplementedError
+
+    def _port(self, variable, value):
+        try:
+            port = int(value)
+        except ValueError:
+            port = -1
+        if not 0 < port < 65536:
+            raise environment_error(
+                f"{self.name}: {variable} must be a port number (1 to 65535)",
+                f"{variable}={value!r}",
+                f"set {variable} to a free port on rank 0's host",
+            )
+        return port
+
+    def worker_addresses(self):
+        """Every process's `host:port`, in rank order (TensorFlow's workers).
+
+        Process `r` on its host listens on `main_port() + 1 + its index on
+        that host`: `main_port()` itself is left to the coordinator (torch's
+        store), and tasks on one host count up from a base, as
+        `tf.distribute.cluster_resolver.SlurmClusterResolver` does.
+
+        Raises:
+            ClusterEnvironmentError: the environment does not say every
+                process's host.
+        """
+        size = self.world_size()
+        if size == 1 or self._single_host():
+            return [
+                host_port(self.main_address(), self.main_port() + 1 + rank)
+                for rank in range(size)
+            ]
+        raise environment_error(
+            f"{self.name}: TensorFlow needs every worker's host, and this "
+            "environment names only rank 0's",
+            f"{self.WORLD_SIZE_VAR}={size} over several hosts",
+            "set TF_CONFIG in each process (its worker list and index), or "
+            "start the job with srun",
+        )
+
+    def _single_host(self):
+        return False
+
+    def validate(self):
+        """Reads every value once, so a wrong one fails now. Returns self."""
+        self.global_rank()
+        self.local_rank()
+        self.node_rank()
+        self.main_address()
+        self.main_port()
+        return self
+
+    def describe(self):
+        """One line: the environment, the world size, the ranks, the address."""
+        return (
+            f"{self.name} (world size {self.world_size()}, rank "
+            f"{self.global_rank()}, local rank {self.local_rank()}, node rank "
+            f"{self.node_rank()}, main address "
+            f"{host_port(self.main_address(), self.main_port())})"
+        )

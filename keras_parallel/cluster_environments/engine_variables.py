@@ -1,0 +1,80 @@
+"""What each backend's runtime reads, computed from a detected environment."""
+
+import json
+
+from keras_parallel.cluster_environments.base import (
+    host_port,
+)
+from keras_parallel.cluster_environments.keras_distribution import (
+    KerasDistributionEnvironment,
+)
+
+BACKENDS = ("torch", "jax", "tensorflow")
+
+
+def jax_initialize_arguments(env):
+    """`jax.distributed.initialize`'s arguments for `env`.
+
+    Returns:
+        `{"coordinator_address", "num_processes", "process_id"}`.
+    """
+    return {
+        "coordinator_address": host_port(env.main_address(), env.main_port()),
+        "num_processes": env.world_size(),
+        "process_id": env.global_rank(),
+    }
+
+
+def environment_variables(env, backend):
+    """The variables `backend`'s runtime reads, computed from `env`.
+
+    Pure: nothing is set. The runtimes read these as they read what
+    `keras-parallel launch` sets: torch's process group `RANK`,
+    `WORLD_SIZE`, `LOCAL_RANK` (left out where `env` does not tell),
+    `MASTER_ADDR`, `MASTER_PORT`; JAX the `KERAS_DISTRIBUTION_*` that
+    `keras.distribution.initialize()` passes to `jax.distributed.initialize`
+    (see `jax_initialize_arguments`); TensorFlow `TF_CONFIG`, every worker's
+    `host:port` and this one's index.
+
+    Args:
+        env: a `ClusterEnvironment`.
+        backend: `"torch"`, `"jax"` or `"tensorflow"`.
+
+    Returns:
+        A dict of variable names to string values.
+
+    Raises:
+        ClusterEnvironmentError: a variable of `env` is wrong; it is named.
+    """
+    if backend == "torch":
+        variables = {
+            "RANK": str(env.global_rank()),
+            "WORLD_SIZE": str(env.world_size()),
+            "MASTER_ADDR": env.main_address(),
+            "MASTER_PORT": str(env.main_port()),
+        }
+        local = env.local_rank()
+        if local is not None:
+            variables["LOCAL_RANK"] = str(local)
+        return variables
+    if backend == "jax":
+        arguments = jax_initialize_arguments(env)
+        return {
+            KerasDistributionEnvironment.ADDRESSES_VAR: arguments[
+                "coordinator_address"
+            ],
+            KerasDistributionEnvironment.WORLD_SIZE_VAR: str(
+                arguments["num_processes"]
+            ),
+            KerasDistributionEnvironment.RANK_VAR: str(arguments["process_id"]),
+        }
+    if backend == "tensorflow":
+        config = {
+            "cluster": {"worker": env.worker_addresses()},
+            "task": {"type": "worker", "index": env.global_rank()},
+        }
+        return {"TF_CONFIG": json.dumps(config)}
+    raise ValueError(
+        f"backend must be one of {', '.join(BACKENDS)}. Received: "
+        f"backend={backend!r}; pass one of those."
+    )
