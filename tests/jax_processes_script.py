@@ -89,7 +89,7 @@ def train(model, case, callbacks=()):
 def main(out, case):
     import jax
 
-    from keras_parallel.backends.jax.executor import distribute_batch
+    from keras_parallel.backends.jax.batches import distribute_batch
 
     process = jax.process_index()
 

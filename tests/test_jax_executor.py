@@ -74,7 +74,7 @@ def test_a_batch_the_devices_do_not_divide_is_split_inside_the_step():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from keras_parallel.backends.jax.executor import _jit_splitting_batches
+    from keras_parallel.backends.jax.batches import jit_splitting_batches
     from keras_parallel.distribution import DataParallel
 
     mesh = DataParallel().device_mesh.backend_mesh
@@ -91,7 +91,7 @@ def test_a_batch_the_devices_do_not_divide_is_split_inside_the_step():
         return jax.numpy.mean((h - y) ** 2), state
 
     whole = jax.device_put((x, y), NamedSharding(mesh, P()))
-    compiled = _jit_splitting_batches(
+    compiled = jit_splitting_batches(
         step,
         previous=jax.jit,
         batch_sharding=NamedSharding(mesh, P("batch")),

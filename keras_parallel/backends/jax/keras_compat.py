@@ -11,7 +11,7 @@ from keras_parallel.replacement_targets import Target
 
 #: `jit` compiles Keras's step; the executor replaces it, in scope, by one
 #: that splits the step's batch inside it, without buffer donation on CPU
-#: devices (`executor._jit_splitting_batches`).
+#: devices (`batches.jit_splitting_batches`).
 trainer = internal("keras.src.backend.jax.trainer", "jit")
 #: `distribute_data_input` lays out each batch; replaced in scope so that a
 #: batch the data axis does not divide is placed whole, for the step to split.
@@ -38,14 +38,14 @@ REPLACED = (
         "a batch the data axis does not divide is placed whole on every "
         "device, for the step to split (Keras reuses the first batch's "
         "layout); across processes each places its own rows "
-        "(`executor.distribute_batch`)",
+        "(`batches.distribute_batch`)",
     ),
     Target(
         "keras.src.backend.jax.trainer",
         "jit",
         "every batch split inside the step, one the devices do not divide "
         "too; CPU devices: the step compiled without buffer donation "
-        "(`executor._jit_splitting_batches`)",
+        "(`batches.jit_splitting_batches`)",
     ),
     *(
         Target(
