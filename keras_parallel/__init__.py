@@ -14,10 +14,13 @@ Public API:
 
 The names are imported on first use, so `import keras_parallel` (and the
 `keras-parallel` command) imports neither Keras nor a backend: the backend
-can still be chosen after it.
+can still be chosen after it. Once Keras is imported (before or after this
+package), Keras 3.15 on torch is given `keras.distribution.list_devices()`.
 """
 
 import importlib
+
+from keras_parallel import keras_config
 
 __version__ = "0.1.0"
 
@@ -46,3 +49,43 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(list(globals()) + __all__)
+
+
+def _provide_list_devices():
+    """Keras 3.15 on torch: `keras.distribution.list_devices()` as in 3.16.
+
+    Run once Keras is imported, so that a mesh written as for JAX
+    (`DeviceMesh(..., devices=keras.distribution.list_devices())`) runs on
+    torch before any other keras_parallel code (see
+    `keras_parallel.backends.torch.distribution_lib`).
+    """
+    import keras
+
+    if keras.backend.backend() != "torch" or _importing_torch_backend():
+        # A torch backend module whose list of internals imported Keras is
+        # half made: the torch executor provides them when it is imported.
+        return
+    from keras_parallel.errors import UnsupportedKerasError
+
+    try:
+        from keras_parallel.backends.torch import distribution_lib
+
+        distribution_lib.provide()
+    except UnsupportedKerasError:
+        # A Keras whose internals keras_parallel does not know: importing
+        # Keras must still work; the error comes when a distribution is used.
+        pass
+
+
+def _importing_torch_backend():
+    """Whether a module of the torch backend is being imported right now."""
+    import sys
+
+    return any(
+        name.startswith("keras_parallel.backends.torch.")
+        and getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+    )
+
+
+keras_config.after_keras_import(_provide_list_devices)

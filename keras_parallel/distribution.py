@@ -10,9 +10,10 @@ class DataParallel(keras.distribution.DataParallel):
 
     With no argument it spans every device the backend offers for data
     parallelism: the JAX devices, the processes of a torch process group (one
-    device each), the TensorFlow GPUs or logical CPUs. Keras's own class
-    cannot list devices on torch. Given `device_mesh` or `devices`, it is
-    exactly Keras's class.
+    device each), the TensorFlow GPUs or logical CPUs (Keras's own class
+    lists `keras.distribution.list_devices()`, which on torch needs Keras
+    3.16 or keras_parallel imported). Given `device_mesh` or `devices`, it
+    is exactly Keras's class.
 
     Args:
         device_mesh: optional 1D `keras.distribution.DeviceMesh`.

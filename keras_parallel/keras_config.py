@@ -12,10 +12,16 @@ the launcher. So this module reads the sources Keras reads, in Keras's order
 3. `"tensorflow"`, Keras's default.
 
 Unlike Keras, it never writes a `keras.json`.
+
+`after_keras_import` runs a function once Keras is imported, or at once if
+it is already, still without importing it.
 """
 
+import importlib.abc
+import importlib.util
 import json
 import os
+import sys
 
 #: Keras's backend when neither `KERAS_BACKEND` nor `keras.json` names one.
 DEFAULT_BACKEND = "tensorflow"
@@ -61,3 +67,71 @@ def configured_backend():
     if isinstance(config, dict) and "backend" in config:
         return config["backend"], path
     return DEFAULT_BACKEND, f"Keras's default: no KERAS_BACKEND, no backend in {path}"
+
+
+def after_keras_import(callback):
+    """Runs `callback()` once Keras is imported: now if it is, else then.
+
+    For what must be in place before the user's first Keras call, which may
+    come before any keras_parallel code that imports Keras (under
+    `keras-parallel launch`, the launcher imports keras_parallel before the
+    script). Until Keras is imported, a finder on `sys.meta_path` waits for
+    its top-level package, and removes itself once Keras has run; it
+    imports nothing.
+
+    Args:
+        callback: a function of no argument, run after Keras's package has
+            been imported whole.
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "backend"):
+        callback()
+        return
+    sys.meta_path.insert(0, _AfterKerasImport(callback))
+
+
+class _AfterKerasImport(importlib.abc.MetaPathFinder):
+    """Finds Keras through the other finders, and runs a callback after it."""
+
+    def __init__(self, callback):
+        self.callback = callback
+        self._finding = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "keras" or self._finding:
+            return None
+        self._finding = True  # The other finders find Keras.
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenCall(spec.loader, self)
+        return spec
+
+    def loaded(self):
+        # Removed only now: a `find_spec("keras")` that imports nothing
+        # (a version check) must not end the wait.
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        self.callback()
+
+
+class _ThenCall(importlib.abc.Loader):
+    """A module's loader, then the finder's callback (`after_keras_import`)."""
+
+    def __init__(self, loader, finder):
+        self.loader = loader
+        self.finder = finder
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        # The module keeps its own loader, as if nobody had waited for it.
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.finder.loaded()

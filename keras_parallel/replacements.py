@@ -40,7 +40,11 @@ def _registered_targets():
     """Every target of the shared table and of each imported backend's."""
     import sys
 
-    targets = list(keras_compat.REPLACED)
+    # Keras's first import may come from `keras_compat`'s own (its version
+    # check), and the torch backend replaces a target as Keras loads
+    # (`keras_parallel/__init__.py`): the shared table is then not yet made,
+    # and none of its targets is replaced.
+    targets = list(getattr(keras_compat, "REPLACED", ()))
     for backend in ("jax", "torch", "tensorflow"):
         module = sys.modules.get(f"keras_parallel.backends.{backend}.keras_compat")
         if module is not None:

@@ -9,6 +9,9 @@ launch --backend tensorflow`) writes, per worker, what the tests compare:
   (recorded by the model's first layer), its predictions, evaluation and
   `describe()`.
 - `fail`: a model with BatchNormalization; worker 1 raises at step 3.
+- `features`: two unshuffled epochs with `global_clipnorm`,
+  `gradient_accumulation_steps=2` and `steps_per_execution=4`; its weights,
+  History and the rows each replica step computed.
 
 Each worker builds its model from another seed and seeds NumPy differently:
 only worker 0's initial weights and shuffle may count. The tests import
@@ -55,8 +58,12 @@ class Recorder(keras.layers.Layer):
         return inputs
 
 
-def build(seed, batchnorm=False, distributed=True):
-    """The small model, compiled (with `DataParallel()` if `distributed`)."""
+def build(seed, batchnorm=False, distributed=True, features=False):
+    """The small model, compiled (with `DataParallel()` if `distributed`).
+
+    With `features`, its optimizer clips the global gradient norm and
+    accumulates 2 steps, and Keras runs 4 steps per execution.
+    """
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((16,))
     x = Recorder(name="recorder")(inputs)
@@ -64,9 +71,13 @@ def build(seed, batchnorm=False, distributed=True):
     if batchnorm:
         x = keras.layers.BatchNormalization(name="bn")(x)
     model = Net(inputs=inputs, outputs=keras.layers.Dense(8, name="d2")(x), name="net")
+    extra = {}
+    if features:
+        extra = {"global_clipnorm": 0.5, "gradient_accumulation_steps": 2}
     model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
+        optimizer=keras.optimizers.SGD(0.1, **extra),
         loss="mse",
+        steps_per_execution=4 if features else 1,
         distribution=keras_parallel.DataParallel() if distributed else None,
     )
     return model
@@ -133,6 +144,21 @@ def main(out, case):
             if process == 1 and batch == 3:
                 raise ValueError("boom on worker 1")
 
+    if case == "features":
+        model = build(seed=1 + process, features=True)
+        x, y = data()
+        RECORDED.clear()
+        history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        np.savez(
+            os.path.join(out, f"features_weights{process}.npz"), *model.get_weights()
+        )
+        info = {
+            "loss": history.history["loss"],
+            "rows": [len(values) for _, values in RECORDED],
+        }
+        with open(os.path.join(out, f"info{process}.json"), "w") as f:
+            json.dump(info, f)
+        return
     if case == "fail":
         model = build(seed=1 + process, batchnorm=True)
         x, y = data()

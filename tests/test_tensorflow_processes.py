@@ -91,11 +91,11 @@ def one_device():
     first 64 rows; the shuffled epoch takes them in the order the workers
     must draw: worker 0's NumPy permutation (`build` seeds NumPy with
     `keras.utils.set_random_seed(1)`; across workers Keras's shuffle is
-    NumPy's, `workers.numpy_shuffles`), the second one drawn: under a
-    strategy Keras opens the epoch's data set twice, a first batch for its
-    symbolic build (`_maybe_symbolic_build`), then the epoch, each drawing
-    a permutation. Nothing the workers reported goes in, so rows they
-    skipped, computed twice or ordered otherwise show.
+    NumPy's, `workers.numpy_shuffles`), the first one drawn, as on one
+    device: the model is built from the data set's element spec, which
+    opens no iterator (Keras's own build under a strategy draws a first
+    batch, and a permutation with it). Nothing the workers reported goes
+    in, so rows they skipped, computed twice or ordered otherwise show.
     """
     x, y = script.data()
     out = {}
@@ -104,9 +104,7 @@ def one_device():
         if case == "one_step":
             order = np.arange(64)
         else:
-            worker_0 = np.random.RandomState(1)
-            worker_0.permutation(len(x))  # The symbolic build's.
-            order = worker_0.permutation(len(x))
+            order = np.random.RandomState(1).permutation(len(x))
         model.fit(x[order], y[order], batch_size=64, shuffle=False, verbose=0)
         batches = [order[i : i + 64].tolist() for i in range(0, len(order), 64)]
         out[case] = model, batches
@@ -201,6 +199,32 @@ def test_tensorflow_start_up_info_lines_are_quiet(launched):
     stderr = launched[2].stderr
     assert "/job:worker/" not in stderr, stderr[-3000:]
     assert "coordination_service" not in stderr, stderr[-3000:]
+
+
+def test_clipping_accumulation_and_steps_per_execution_across_workers(tmp_path):
+    # The gradients summed over every replica of every worker before they
+    # are clipped and accumulated, and a step run in Keras's `tf.cond` (4
+    # steps per execution): collectives keyed when traced agree across
+    # workers.
+    result = launch(tmp_path, "features")
+    assert result.returncode == 0, result.stderr[-4000:]
+    x, y = script.data()
+    reference = script.build(seed=1, distributed=False, features=True)
+    expected = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    infos = []
+    for worker in (0, 1):
+        with open(os.path.join(tmp_path, f"info{worker}.json")) as f:
+            infos.append(json.load(f))
+        mine = weights(tmp_path, "features", worker)
+        assert max_rel(mine, reference.get_weights()) < 1e-4
+        assert infos[worker]["loss"] == pytest.approx(
+            expected.history["loss"], rel=1e-5
+        )
+    # 4 replicas: at most 16 rows of a global batch of 64 each, every
+    # sample once per epoch over the workers.
+    rows = infos[0]["rows"] + infos[1]["rows"]
+    assert max(rows) == 16
+    assert sum(rows) == 2 * len(x)
 
 
 def test_a_worker_that_raises_ends_every_worker(tmp_path):

@@ -64,10 +64,11 @@ def four_ranks(saved_dir):
     cases = [
         dict(CASES[k], save_to=saved_dir) if k == SAVED else CASES[k] for k in names
     ]
-    results = _launch(workers.scenarios, 4, args=(cases, True, saved_dir))
+    results = _launch(workers.scenarios, 4, args=(cases, True, saved_dir, True))
     out = {name: [rank[i] for rank in results] for i, name in enumerate(names)}
     out["bad_inputs"] = results[0][len(names)]
     out["checkpoints"] = [rank[len(names) + 1] for rank in results]
+    out["jax_written"] = [rank[len(names) + 2] for rank in results]
     return out
 
 
@@ -123,6 +124,66 @@ def test_placements_follow_the_layout_axes():
     assert placements((None,), axes) == (Replicate(), Replicate())
 
 
+_LIST_DEVICES = (
+    "print(keras.distribution.list_devices(), "
+    "keras.distribution.get_device_count(), "
+    "keras.distribution.list_devices('gpu'))"
+)
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import keras_parallel, keras",
+        "import keras, keras_parallel",
+        # Keras first imported by keras_parallel's own version check.
+        "import keras_parallel; keras_parallel.DistributedModel; import keras",
+    ],
+)
+def test_keras_lists_torch_devices_as_keras_3_16_does(imports):
+    # Keras 3.15 has no torch distribution_lib: `list_devices()` raised
+    # AttributeError on None. keras_parallel gives it Keras 3.16's functions
+    # when Keras is imported, before or after keras_parallel, with no other
+    # keras_parallel code run. Under torchrun's WORLD_SIZE, one device per
+    # process (as under a gloo group: see the JAX-written script below).
+    import subprocess
+    import sys
+
+    from subprocesses import checkout_env
+
+    expected = {
+        None: "['cpu:0'] 1 []",
+        "4": "['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3'] 4 []",
+    }
+    for world, printed in expected.items():
+        env = checkout_env(KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
+        env.pop("WORLD_SIZE", None)
+        if world is not None:
+            env["WORLD_SIZE"] = world
+        result = subprocess.run(
+            [sys.executable, "-c", f"{imports}; {_LIST_DEVICES}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == printed, (world, imports)
+
+
+def test_gpu_names_from_keras_are_torch_cuda_devices():
+    # Keras lists a CUDA device as "gpu:i"; the plan checks names against
+    # the executor's `cuda:i`.
+    from keras_parallel.backends.torch.executor import TorchExecutor
+
+    executor = TorchExecutor(keras_parallel.DataParallel())
+    assert executor.device_names(["gpu:0", "CPU:1", "cuda:2"]) == [
+        "cuda:0",
+        "cpu:1",
+        "cuda:2",
+    ]
+
+
 def test_model_parallel_larger_than_the_process_group_is_refused():
     mesh = keras.distribution.DeviceMesh(
         (2, 2), ["data", "model"], [f"cpu:{i}" for i in range(4)]
@@ -148,6 +209,32 @@ def test_weights_equal_one_device(four_ranks, single, name):
     tolerance = 1e-5 if name in ONE_STEP else 1e-4
     assert max_rel(ranks[0]["weights"], single[name]["weights"]) < tolerance
     np.testing.assert_allclose(ranks[0]["loss"], single[name]["loss"], rtol=1e-5)
+
+
+def test_a_mesh_written_as_for_jax_trains_as_one_device(four_ranks, single):
+    # docs/jax.md's script, unchanged: `keras.distribution.list_devices()`
+    # first thing in the process, a (2, 2) mesh of those devices, a
+    # LayoutMap, ModelParallel, compile, fit. It failed on Keras 3.15
+    # (no torch distribution_lib) before any keras_parallel code ran.
+    ranks = four_ranks["jax_written"]
+    reference = single["mlp_epoch_2x2"]
+    for result in ranks:
+        assert "error" not in result, result.get("error")
+        # What Keras 3.16's torch backend lists under a group of 4 processes.
+        assert result["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+        for a, b in zip(result["weights"], ranks[0]["weights"], strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert result["evaluation"] == pytest.approx(reference["evaluation"], rel=1e-5)
+        np.testing.assert_allclose(
+            result["predictions"], reference["predictions"], atol=1e-5
+        )
+    assert max_rel(ranks[0]["weights"], reference["weights"]) < 1e-4
+    np.testing.assert_allclose(ranks[0]["loss"], reference["loss"], rtol=1e-5)
+    # The same run as the case built from keras_parallel's device list.
+    for a, b in zip(
+        ranks[0]["weights"], four_ranks["mlp_epoch_2x2"][0]["weights"], strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_training_moved_the_weights(four_ranks):

@@ -466,12 +466,59 @@ def checkpoint_runs(folder, mesh=(2, 2)):
     }
 
 
-def scenarios(cases, with_errors=False, checkpoint_dir=None):
+def jax_written(n=1003):
+    """The ModelParallel script of docs/jax.md, as written for JAX, on 4 ranks.
+
+    The devices come from `keras.distribution.list_devices()` before any
+    other keras_parallel code ran in this process (run it first): Keras 3.15
+    has no torch `distribution_lib`, and keras_parallel gives it one when
+    Keras is imported. The model, data and layouts are `train`'s
+    `mlp_epoch_2x2` case, so one device's weights are the same reference.
+
+    Returns:
+        `{"devices", "weights", "loss", "evaluation", "predictions"}`, or
+        `{"error": traceback}` where the script failed (every rank fails
+        alike, before any collective).
+    """
+    import traceback
+
+    keras = _keras()
+    try:
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh((2, 2), ["data", "model"], devices=devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        mlp_layouts(layout_map)
+        x, y = data("mlp", n)
+        model = build("mlp", True)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss="mse",
+            distribution=keras.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="data"
+            ),
+        )
+        history = model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    except Exception:
+        return {"error": traceback.format_exc()}
+    return {
+        "devices": list(devices),
+        "weights": [np.asarray(w) for w in model.get_weights()],
+        "loss": [float(v) for v in history.history["loss"]],
+        "evaluation": float(model.evaluate(x, y, batch_size=64, verbose=0)),
+        "predictions": np.asarray(model.predict(x[:203], batch_size=64, verbose=0)),
+    }
+
+
+def scenarios(cases, with_errors=False, checkpoint_dir=None, with_jax_written=False):
     """Runs `train(**case)` for each case in this process; returns the list
-    (then the `bad_inputs()` texts, then the `checkpoint_runs`)."""
+    (then the `bad_inputs()` texts, then the `checkpoint_runs`, then
+    `jax_written()`, which runs first: before anything else in the process)."""
+    first = jax_written() if with_jax_written else None
     results = [train(**case) for case in cases]
     if with_errors:
         results.append(bad_inputs())
     if checkpoint_dir is not None:
         results.append(checkpoint_runs(checkpoint_dir))
+    if with_jax_written:
+        results.append(first)
     return results

@@ -474,3 +474,225 @@ def chief_writes(directory):
         model.save(os.path.join(directory, "model.keras"))
     dist.barrier()
     return printed.getvalue(), sorted(os.listdir(directory))
+
+
+# ------------------------------------------- custom train_step (the guide)
+def guide_model(variant, distributed=True):
+    """A model whose `train_step` / `test_step` are the Keras guide's.
+
+    "Customizing what happens in fit() with PyTorch" (keras.io, Keras 3),
+    with a `split_probe.probe()` after the Input:
+
+    - `"metrics"`: updates `self.metrics` (the loss tracker and the compiled
+      metrics) and returns `{m.name: m.result() for m in self.metrics}`, so
+      `compile_metrics` is a key of the logs (compiled with `loss="mse"`,
+      `metrics=["mae"]`);
+    - `"own_metrics"`: its own `loss_tracker` and `mae_metric` (Mean
+      metrics, listed by its `metrics` property) and `loss_fn`;
+    - `"tensors"`: returns the step's own tensors, `{"loss": loss, "mae":
+      mean |y - y_pred|}`, not metric results.
+
+    Args:
+        variant: one of the above.
+        distributed: False makes a plain Keras model.
+
+    Returns:
+        The uncompiled model (`compile_guide_model` compiles it).
+    """
+    keras = _keras()
+    import torch
+
+    import keras_parallel
+
+    base = keras.Model
+    if distributed:
+
+        class Base(keras_parallel.DistributedModel, keras.Model):
+            pass
+
+        base = Base
+
+    def apply_gradients(model, loss):
+        loss.backward()
+        trainable_weights = [v for v in model.trainable_weights]
+        gradients = [v.value.grad for v in trainable_weights]
+        with torch.no_grad():
+            model.optimizer.apply(gradients, trainable_weights)
+
+    class GuideMetrics(base):
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            apply_gradients(self, loss)
+            return self._update(loss, y, y_pred)
+
+        def test_step(self, data):
+            x, y = data
+            y_pred = self(x, training=False)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            return self._update(loss, y, y_pred)
+
+        def _update(self, loss, y, y_pred):
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    class GuideOwnMetrics(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+            self.loss_fn = keras.losses.MeanSquaredError()
+
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            y_pred = self(x, training=True)
+            loss = self.loss_fn(y, y_pred)
+            apply_gradients(self, loss)
+            return self._update(loss, y, y_pred)
+
+        def test_step(self, data):
+            x, y = data
+            y_pred = self(x, training=False)
+            return self._update(self.loss_fn(y, y_pred), y, y_pred)
+
+        def _update(self, loss, y, y_pred):
+            self.loss_tracker.update_state(loss)
+            self.mae_metric.update_state(y, y_pred)
+            return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker, self.mae_metric]
+
+    class GuideTensors(base):
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            apply_gradients(self, loss)
+            return {"loss": loss, "mae": keras.ops.mean(keras.ops.abs(y - y_pred))}
+
+    model_class = {
+        "metrics": GuideMetrics,
+        "own_metrics": GuideOwnMetrics,
+        "tensors": GuideTensors,
+    }[variant]
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    x = split_probe.probe()(inputs)
+    x = keras.layers.Dense(16, activation="tanh")(x)
+    outputs = keras.layers.Dense(1)(x)
+    return model_class(inputs, outputs)
+
+
+def guide_train(
+    variant="metrics",
+    n=512,
+    epochs=2,
+    record_step_logs=False,
+    nested=None,
+    distributed=True,
+):
+    """Fits a `guide_model`; returns its History, step logs, evaluation.
+
+    Args:
+        variant: `guide_model`'s variant.
+        n: samples, at batch 64 (512: 32 rows per rank in every step of 2;
+            1003: a last batch of 43, 22 and 21 rows).
+        epochs: epochs, with the first 128 samples as validation data.
+        record_step_logs: a callback reads every train step's logs (they
+            are then made global after every step).
+        nested: `"plain_on_rank_0"`: a callback evaluates a plain model on
+            rank 0 alone at the start of train step 2; `"distributed"`: it
+            evaluates another distributed model (on every rank) there.
+        distributed: False fits the same model in plain Keras.
+
+    Returns:
+        `{"weights", "history", "step_logs", "evaluation", "predictions",
+        "split"}`.
+    """
+    keras = _keras()
+    import keras_parallel
+
+    rank = int(os.environ.get("RANK", "0"))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = (x[:, :1] * 0.5 + rng.normal(size=(n, 1)) * 0.1).astype("float32")
+    model = guide_model(variant, distributed)
+    kwargs = {}
+    if distributed:
+        kwargs["distribution"] = keras_parallel.DataParallel()
+    if variant == "own_metrics":
+        model.compile(optimizer=keras.optimizers.SGD(0.1), **kwargs)
+    else:
+        metrics = ["mae"] if variant == "metrics" else None
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=metrics, **kwargs
+        )
+    step_logs = []
+    callbacks = []
+    if record_step_logs:
+
+        class StepLogs(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                step_logs.append({k: float(v) for k, v in logs.items()})
+
+        callbacks.append(StepLogs())
+    if nested is not None:
+        # No probe in it: the rows recorded are the outer model's.
+        inner_distributed = distributed and nested == "distributed"
+        other_class = keras.Model
+        if inner_distributed:
+
+            class Other(keras_parallel.DistributedModel, keras.Model):
+                pass
+
+            other_class = Other
+        other_inputs = keras.Input((6,))
+        other = other_class(other_inputs, keras.layers.Dense(3)(other_inputs))
+        _compile(other, keras_parallel.DataParallel() if inner_distributed else None)
+        data_x, data_y = make_data(256)
+
+        class EvaluateAnother(keras.callbacks.Callback):
+            # `on_train_batch_begin`: no step-log reader, so the outer fit
+            # keeps its own choice (per epoch without `record_step_logs`).
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch != 2 or (nested == "plain_on_rank_0" and rank != 0):
+                    return
+                other.evaluate(data_x, data_y, batch_size=64, verbose=0)
+
+        callbacks.append(EvaluateAnother())
+    split_probe.clear()
+    history = model.fit(
+        x,
+        y,
+        batch_size=64,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:128], y[:128]),
+        callbacks=callbacks,
+    )
+    split = split_probe.records()
+    evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    return {
+        "weights": weights_of(model),
+        "history": {k: list(map(float, v)) for k, v in history.history.items()},
+        "step_logs": step_logs,
+        "evaluation": {k: float(v) for k, v in evaluation.items()},
+        "predictions": np.asarray(model.predict(x[:203], batch_size=64, verbose=0)),
+        "split": split,
+    }
+
+
+def guide_scenarios(cases):
+    """Runs `guide_train(**case)` for each case in one process."""
+    return [guide_train(**case) for case in cases]

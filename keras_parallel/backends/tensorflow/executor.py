@@ -42,6 +42,7 @@ from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import ArrayDataAdapter
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
+from keras_parallel.instance_methods import replace_methods
 
 
 class TensorFlowExecutor(Executor):
@@ -67,6 +68,7 @@ class TensorFlowExecutor(Executor):
         self._devices = None
         self._applied = False
         self._undo_saving = None
+        self._undo_build = None
 
     # ----------------------------------------------------------- devices
     @classmethod
@@ -143,6 +145,16 @@ class TensorFlowExecutor(Executor):
         self._applied = True
         if not self.is_chief and self._undo_saving is None:
             self._undo_saving = chief_only_saving(model)
+        if self._undo_build is None:
+            # A later run through ShardingCallback builds before its scope.
+            self._undo_build = replace_methods(
+                model,
+                {
+                    "_maybe_symbolic_build": tf_exact.model_built_from_element_spec(
+                        model
+                    )
+                },
+            )
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -200,6 +212,9 @@ class TensorFlowExecutor(Executor):
         if self._undo_saving is not None:
             self._undo_saving()
             self._undo_saving = None
+        if self._undo_build is not None:
+            self._undo_build()
+            self._undo_build = None
         tf_variables.move_variables(model, None)
         _restore_state(model, (None, tf.distribute.get_strategy()))
         self._applied = False

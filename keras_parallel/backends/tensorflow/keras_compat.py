@@ -4,12 +4,18 @@ See `keras_parallel.keras_compat` for why and how these are checked.
 Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
+from tensorflow.python.distribute import (
+    collective_all_reduce_strategy,
+    cross_device_utils,
+    mirrored_strategy,
+)
+
 from keras_parallel.keras_compat import find, internal, internal_any
 from keras_parallel.replacement_targets import Target
 
 #: Keras's TensorFlow trainer. Replaced in scope (`exact.patched`):
 #: `reduce_per_replica` (global logs), `TensorFlowTrainer._maybe_symbolic_build`
-#: (a first batch that splits unevenly), `TFEpochIterator._get_iterator`
+#: (built from the element spec), `TFEpochIterator._get_iterator`
 #: (the strategy chosen after the iterator was made).
 trainer = internal(
     "keras.src.backend.tensorflow.trainer",
@@ -40,6 +46,22 @@ BatchNormalization = internal(
     "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
 ).BatchNormalization
 
+#: Keras's TensorFlow optimizer, whose gradients are summed over the replicas
+#: before it clips or accumulates them (`exact.gradients_summed_first`).
+TFOptimizer = internal(
+    "keras.src.backend.tensorflow.optimizer",
+    "TFOptimizer._backend_apply_gradients",
+    "TFOptimizer._all_reduce_sum_gradients",
+).TFOptimizer
+
+#: TensorFlow's own internals (not Keras's), replaced in scope: the mirrored
+#: strategies' `_use_merge_call` (off while summed gradients are applied,
+#: `exact.no_merge_call_on_summed`) and the collectives' instance keys (fixed
+#: when traced inside control flow, `exact.static_keys_in_control_flow`).
+MirroredExtended = mirrored_strategy.MirroredExtended
+CollectiveAllReduceExtended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+CollectiveReplicaLauncher = cross_device_utils.CollectiveReplicaLauncher
+
 #: Keras's saving builds throwaway reference objects (an `Optimizer`, a
 #: `Metric`, with variables) the first time it meets each kind of object;
 #: made early, outside any strategy (`saving_references.py`).
@@ -56,7 +78,8 @@ REPLACED = (
         "keras.src.losses.loss",
         ("scale_loss_for_distribution", "unscale_loss_for_distribution"),
         "each replica's loss weighted by its share of the batch: exact for "
-        "uneven batches (`exact.patched`)",
+        "uneven batches; its value one whose mean over the replicas is the "
+        "loss, for a custom step to log (`exact.patched`)",
     ),
     Target(
         "keras.src.backend.tensorflow.trainer",
@@ -67,17 +90,53 @@ REPLACED = (
         Target(
             f"keras.src.backend.tensorflow.trainer.{name}",
             "_maybe_symbolic_build",
-            "a first batch that splits unevenly builds the model "
-            f"(`exact.patched`; Keras {version})",
+            "the model built from the data's element spec: no batch drawn "
+            "(a generator loses none), any split (`exact.patched`; Keras "
+            f"{version})",
             optional=True,
         )
         for name, version in (("TensorFlowTrainer", "3.15"), ("Trainer", "3.16+"))
+    ),
+    Target(
+        "keras.src.models.model.Model",
+        "_maybe_symbolic_build",
+        "while a plan is applied: a run that starts outside the scope "
+        "(`ShardingCallback`'s second) builds from the element spec too "
+        "(`exact.model_built_from_element_spec`)",
+        on_instances=True,
     ),
     Target(
         "keras.src.backend.tensorflow.trainer.TFEpochIterator",
         "_get_iterator",
         "the data distributed under a strategy applied after the iterator "
         "was made, an unbuilt model built before `predict` (`exact.patched`)",
+    ),
+    Target(
+        "keras.src.backend.tensorflow.optimizer.TFOptimizer",
+        ("_backend_apply_gradients", "_all_reduce_sum_gradients"),
+        "gradients summed over the replicas before they are clipped or "
+        "accumulated, as one device clips the whole gradient "
+        "(`exact.gradients_summed_first`)",
+    ),
+    *(
+        Target(
+            f"tensorflow.python.distribute.{module}.{name}",
+            "_use_merge_call",
+            "no `merge_call` while summed gradients are applied: the update "
+            "runs in each replica, inside the accumulation's `tf.cond` too "
+            "(`exact.no_merge_call_on_summed`)",
+        )
+        for module, name in (
+            ("mirrored_strategy", "MirroredExtended"),
+            ("collective_all_reduce_strategy", "CollectiveAllReduceExtended"),
+        )
+    ),
+    Target(
+        "tensorflow.python.distribute.cross_device_utils.CollectiveReplicaLauncher",
+        "_use_unique_instance_key",
+        "a step traced inside control flow (`steps_per_execution > 1`) keys "
+        "its collectives when traced, not with inputs `tf.cond` drops "
+        "(`exact.static_keys_in_control_flow`)",
     ),
     Target(
         "keras.src.layers.normalization.batch_normalization.BatchNormalization",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from keras.distribution import DataParallel
 
 from keras_parallel.backends.base import Executor
+from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.model_parallel import MeshRunner, splits_model
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
@@ -43,6 +44,10 @@ from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
 
 _SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
+
+# Done when Keras is imported (`keras_parallel/__init__.py`), unless this
+# backend's own import is what imported Keras: then here.
+distribution_lib.provide()
 
 
 class TorchExecutor(Executor):
@@ -77,7 +82,9 @@ class TorchExecutor(Executor):
         return [f"{torch_group.device_type()}:{i}" for i in range(world)]
 
     def device_names(self, devices):
-        return [str(d).lower() for d in devices]
+        # `keras.distribution.list_devices()` names a CUDA device "gpu:i"
+        # (Keras 3.16, and `distribution_lib` on 3.15), torch "cuda:i".
+        return [str(d).lower().replace("gpu", "cuda") for d in devices]
 
     @classmethod
     def demo_processes(cls, num_devices):

@@ -42,6 +42,15 @@ CallbackList = internal(
 ).CallbackList
 #: Whether a callback overrides a hook (`step_logs.reads_step_logs`).
 is_default = internal("keras.src.utils.python_utils", "is_default").is_default
+#: Keras's `Model`: its own `train_step` / `test_step` return the metrics'
+#: results through `get_metrics_result` (`keras_step`), and the trainer's
+#: `_get_metrics_result_or_logs` picks an epoch's logs (`steps`).
+KerasModel = internal(
+    "keras.src.models.model",
+    "Model.train_step",
+    "Model.test_step",
+    "Model._get_metrics_result_or_logs",
+).Model
 
 #: Keras's own DTensor support in its torch backend (keras-nightly 3.16:
 #: `keras.src.backend.torch.distribution_lib`, with the Keras mesh's
@@ -54,6 +63,24 @@ if keras_dtensor is not None and not all(
     for name in ("distribute_tensor", "_to_backend_mesh", "_to_backend_layout")
 ):
     keras_dtensor = None  # Some other torch distribution_lib: use torch's API.
+
+#: The module behind `keras.distribution.list_devices()` and
+#: `get_device_count()`, which call its `distribution_lib` (the backend's):
+#: `None` on torch before Keras 3.16, which `distribution_lib.provide` fills
+#: with the two functions (so the JAX-written mesh script runs on torch).
+keras_distribution = internal(
+    "keras.src.distribution.distribution_lib",
+    "distribution_lib",
+    "list_devices",
+    "get_device_count",
+)
+#: The device Keras's torch backend computes on (`"cpu"`, `"cuda"`, ...),
+#: which Keras 3.16's torch `list_devices` reads, and so does ours on 3.15.
+get_device = (
+    internal("keras.src.backend.torch.core", "get_device").get_device
+    if keras_dtensor is None
+    else keras_dtensor.get_device
+)
 
 #: Maps a variable to another value while a layer runs (ModelParallel: an
 #: `Embedding` looks rows up in its table gathered along them,
@@ -86,8 +113,15 @@ REPLACED = (
     ),
     Target(
         "keras.src.models.model.Model",
-        ("train_step", "test_step", "predict_step", "get_metrics_result"),
-        "per-rank steps and global metrics (`steps.py`)",
+        (
+            "train_step",
+            "test_step",
+            "predict_step",
+            "get_metrics_result",
+            "_get_metrics_result_or_logs",
+        ),
+        "per-rank steps and global metrics; a custom step's logs made global "
+        "(`steps.py`, `step_logs.py`)",
         on_instances=True,
     ),
     Target(
@@ -127,6 +161,13 @@ REPLACED = (
         "global batch statistics (`sync_bn.py`)",
         on_instances=True,
     ),
+    Target(
+        "keras.src.distribution.distribution_lib",
+        "distribution_lib",
+        "`keras.distribution.list_devices()` and `get_device_count()` on "
+        "torch, as Keras 3.16 has them; set once, where Keras has no torch "
+        "`distribution_lib` (`distribution_lib.py`; Keras 3.15)",
+    ),
 )
 
 
@@ -149,3 +190,23 @@ def local_metrics_result(model):
     ):
         return super(keras_trainer, model).get_metrics_result
     return model.get_metrics_result
+
+
+def keras_step(model, name):
+    """Whether `model`'s `name` step (`"train_step"`, ...) is Keras's own.
+
+    Keras's own train and test steps return `compute_metrics(...)`, which
+    reads the metrics through `get_metrics_result` (made global there, when
+    step logs are read): their logs need nothing more. A subclass's or an
+    object's own step may return anything.
+
+    Args:
+        model: the Keras model.
+        name: the step's attribute name.
+
+    Returns:
+        True if neither the model nor its class replaces Keras's step.
+    """
+    return name not in vars(model) and getattr(type(model), name, None) is getattr(
+        KerasModel, name
+    )

@@ -12,9 +12,15 @@ states are summed over ranks once, when Keras reads them at the end.
 The choice must be the same on every rank, or the ranks would wait on
 different collectives: it depends only on the callbacks the user passed and
 `verbose`, which are the same on every rank, never on which hooks a rank
-silenced.
+silenced, and only on the model's own runs (not on a model that one of its
+callbacks evaluates).
+
+A custom step returns logs of its own (`ReturnedLogs`): they are made
+global in the same all-reduce, at the same moment.
 """
 
+import numpy as np
+import torch
 from keras import callbacks as keras_callbacks
 
 from keras_parallel.backends.torch.keras_compat import CallbackList, is_default
@@ -87,7 +93,160 @@ class StepLogPolicy:
 
     def _hook(self, begin):
         def hook(callback_list, logs=None):
-            self.steps.set_global_step_logs(reads_step_logs(callback_list))
+            # Only this model's own runs: a plain model a callback evaluates
+            # on rank 0 alone must start no collective, and a distributed
+            # model run inside this one's `fit` must not change its choice.
+            if callback_list.model is self.steps.model:
+                self.steps.set_global_step_logs(reads_step_logs(callback_list))
             return begin(callback_list, logs)
 
         return hook
+
+
+class ReturnedLogs:
+    """The logs a custom step returned, and how each entry is made global.
+
+    Keras's own steps return the metrics' results read through
+    `get_metrics_result`, which `RankSteps` makes global. A custom step (as
+    the Keras guide "Customizing what happens in fit() with PyTorch" writes
+    it) returns `{m.name: m.result() for m in self.metrics}`, read from this
+    rank's metric state inside the step, and Keras keeps those logs for the
+    callbacks, the History and `evaluate` (the keys differ from
+    `get_metrics_result`'s: `compile_metrics` holds a dict). Each entry is
+    made global here:
+
+    - a metric's result (its key names a metric of the model, or an entry of
+      a metric's dict result, and its value is what that `result()` gives on
+      this rank after the step): read again once the metric states are
+      global, the same on every rank;
+    - any other number (a 0-d tensor, a Python number): the mean over ranks
+      weighted by the rows each rank computed, the one-process number for a
+      mean over the batch (a loss), not for a sum or a maximum;
+    - anything else (a tensor of another shape): this rank's own.
+
+    An entry is a metric's result only where every rank finds it one. What
+    the ranks add (`packed`) has a size set by the keys alone, so it rides
+    the metrics' all-reduce with no collective of its own.
+
+    Args:
+        logs: the dict the step returned.
+        metrics: the model's `metrics`, as they are right after the step.
+        rows: the rows of the global batch this rank counted in the step (0
+            where another rank counts them: a batch computed whole).
+    """
+
+    def __init__(self, logs, metrics, rows):
+        self.logs = logs
+        self._rows = float(rows)
+        local = _metric_results(metrics)
+        #: key -> (metric, entry of its dict result or None).
+        self._metric_keys = {}
+        self._flags = []
+        self._sums = []
+        for key, value in logs.items():
+            found = local.get(key)
+            is_result = found is not None and _same(value, found[2])
+            if is_result:
+                self._metric_keys[key] = found[:2]
+            self._flags.append(1.0 if is_result else 0.0)
+            number = _number(value)
+            self._sums.append(0.0 if number is None else number * self._rows)
+
+    def packed(self):
+        """This rank's part of the all-reduce: flags, weighted numbers, rows.
+
+        Returns:
+            A float64 tensor of `2 * len(logs) + 1` values.
+        """
+        values = self._flags + self._sums + [self._rows]
+        return torch.tensor(values, dtype=torch.float64)
+
+    def rebuilt(self, reduced, world_size):
+        """The logs, every entry global (read after the metric states are).
+
+        Args:
+            reduced: `packed()` summed over the ranks.
+            world_size: the number of ranks.
+
+        Returns:
+            A new dict with the step's keys.
+        """
+        n = len(self.logs)
+        reduced = reduced.tolist()
+        flags, sums, rows = reduced[:n], reduced[n : 2 * n], reduced[2 * n]
+        results = {}
+        out = {}
+        for i, (key, value) in enumerate(self.logs.items()):
+            if key in self._metric_keys and flags[i] == world_size:
+                metric, entry = self._metric_keys[key]
+                if id(metric) not in results:
+                    results[id(metric)] = metric.result()
+                result = results[id(metric)]
+                out[key] = result if entry is None else result[entry]
+            elif _number(value) is not None and rows > 0:
+                out[key] = _number_like(value, sums[i] / rows)
+            else:
+                out[key] = value
+        return out
+
+
+def _metric_results(metrics):
+    """`{key: (metric, entry, result)}`: each metric's result under its name,
+    and each entry of a dict result (`compile_metrics`) under its key; a
+    metric's own name wins."""
+    found, entries = {}, {}
+    for metric in metrics:
+        try:
+            result = metric.result()
+        except ValueError:
+            continue  # Never built (`CompileMetrics`): no step returned it.
+        found.setdefault(metric.name, (metric, None, result))
+        if isinstance(result, dict):
+            for key, value in result.items():
+                entries.setdefault(key, (metric, key, value))
+    for key, item in entries.items():
+        found.setdefault(key, item)
+    return found
+
+
+def _same(a, b):
+    """Whether two log values are equal (tensors, numbers, dicts of them)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_same(a[k], b[k]) for k in a)
+        )
+    if a is b:
+        return True
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and torch.equal(a, b)
+        )
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _number(value):
+    """A 0-d tensor's or a Python number's value as a float, else `None`."""
+    if torch.is_tensor(value):
+        if value.ndim or value.is_complex() or value.dtype == torch.bool:
+            return None
+        return float(value.detach())
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _number_like(value, number):
+    """`number` as a tensor like `value` (floating), or a Python float."""
+    if torch.is_tensor(value):
+        dtype = value.dtype if value.is_floating_point() else torch.float64
+        return torch.tensor(number, dtype=dtype, device=value.device)
+    return float(number)

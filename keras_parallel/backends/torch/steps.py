@@ -24,7 +24,9 @@ rewrite `fit`'s arguments, but both can reach the step):
   assumes additive states (sums and counts), as every built-in Keras metric
   has. It happens after every step when a callback reads per-step logs,
   else once, when Keras reads the results at the end of the epoch or
-  evaluation (see `torch_step_logs`).
+  evaluation (see `torch_step_logs`). A custom step's returned logs are
+  made global in the same all-reduce (`step_logs.ReturnedLogs`): Keras keeps
+  them, not `get_metrics_result()`, where their keys differ.
 - Check: when an epoch starts (and `evaluate` or `predict`), every rank
   gathers every rank's data size (rows, steps, batch size: one all-gather
   of a fixed shape) and all raise the same `ValueError` if they differ,
@@ -57,10 +59,12 @@ from keras_parallel.backends.torch.batches import (
 )
 from keras_parallel.backends.torch.keras_compat import (
     TorchEpochIterator,
+    keras_step,
     local_metrics_result,
     tree,
 )
 from keras_parallel.backends.torch.random_stream import RankRandomStream
+from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.replacements import Replacements
 
 
@@ -133,12 +137,21 @@ class RankSteps:
         model = self.model
         self._own_call = model.call
         self._original_metrics_result = local_metrics_result(model)
+        self._keras_steps = {
+            kind: keras_step(model, f"{kind}_step") for kind in ("train", "test")
+        }
+        self._returned = None
         for kind in ("train", "test", "predict"):
             name = f"{kind}_step"
             self._replacements.replace(
                 model, name, self._wrap(getattr(model, name), kind)
             )
         self._replacements.replace(model, "get_metrics_result", self._metrics_result)
+        self._replacements.replace(
+            model,
+            "_get_metrics_result_or_logs",
+            self._epoch_logs(model._get_metrics_result_or_logs),
+        )
         self._replacements.replace(
             TorchEpochIterator, "__iter__", self._epoch_begins(TorchEpochIterator)
         )
@@ -272,8 +285,19 @@ class RankSteps:
                 self._route_call(False)
         finally:
             self._in_step = False
+        returned = None
+        if isinstance(logs, dict) and not self._keras_steps.get(kind, False):
+            # Read before this rank's metric state is put back (a rank that
+            # does not count a whole batch): its results are the step's.
+            rows_counted = (stop - start) if self._counts(whole) else 0
+            returned = ReturnedLogs(logs, self.model.metrics, rows_counted)
         if before_step is not None:
             self._set_metric_state(before_step)
+        if returned is not None and self._global_step_logs:
+            return self._global_logs(returned)
+        if returned is not None:
+            # Made global when Keras reads the epoch's logs (`_epoch_logs`).
+            self._returned = returned
         if self._global_step_logs and self._pending is not None:
             # A custom step that never asked for the metrics' results.
             self._reduce_metrics()
@@ -353,7 +377,49 @@ class RankSteps:
             self._reduce_metrics()
         return self._original_metrics_result()
 
-    def _reduce_metrics(self):
+    def _global_logs(self, returned):
+        """A custom step's logs made global (`step_logs.ReturnedLogs`).
+
+        In the metrics' all-reduce where one is due (once per step, or once
+        at the end of the epoch); a step that made them global itself
+        (asking for `get_metrics_result`) costs one more for its own numbers.
+        """
+        if self._pending is not None:
+            reduced = self._reduce_metrics(returned.packed())
+        else:
+            reduced = returned.packed()
+            if torch_group.device_type() == "cuda":
+                reduced = reduced.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(reduced)
+        return returned.rebuilt(reduced, self.world_size)
+
+    def _epoch_logs(self, keras_method):
+        """Keras's `_get_metrics_result_or_logs`, given a custom step's
+        last logs made global.
+
+        Keras keeps the last step's logs for the epoch (or the evaluation)
+        where their keys differ from `get_metrics_result`'s; without callbacks
+        reading step logs they are still this rank's own (`_run`).
+        """
+
+        def get_metrics_result_or_logs(logs):
+            returned, self._returned = self._returned, None
+            if returned is not None and logs is returned.logs:
+                logs = self._global_logs(returned)
+            return keras_method(logs)
+
+        return get_metrics_result_or_logs
+
+    def _reduce_metrics(self, extra=None):
+        """Makes the metric states global; sums `extra` over ranks with them.
+
+        Args:
+            extra: an optional float64 tensor every rank adds to the same
+                all-reduce (a custom step's logs).
+
+        Returns:
+            `extra` summed over the ranks (empty without `extra`).
+        """
         before, self._pending = self._pending, None
         after = self._metric_state()
         delta = after - before.to(after.device)
@@ -361,13 +427,17 @@ class RankSteps:
             delta = torch.zeros_like(delta)  # Counted once, by another rank.
         rows, check = self._rows_seen, self._check_seen
         self._rows_seen = self._check_seen = 0.0
-        extra = torch.tensor(
+        checks = torch.tensor(
             [1.0, rows, rows * rows, check, check * check], dtype=torch.float64
         )
-        packed = torch.cat([delta, extra.to(delta.device)])
+        if extra is None:
+            extra = torch.zeros(0, dtype=torch.float64)
+        n = delta.numel()
+        packed = torch.cat([delta, checks.to(delta.device), extra.to(delta.device)])
         dist.all_reduce(packed)
-        check_same_batches(packed[delta.numel() :].tolist(), self.rank, rows)
-        self._set_metric_state(before.to(after.device) + packed[: delta.numel()])
+        check_same_batches(packed[n : n + len(checks)].tolist(), self.rank, rows)
+        self._set_metric_state(before.to(after.device) + packed[:n])
+        return packed[n + len(checks) :].cpu()
 
     def _set_metric_state(self, flat):
         offset = 0
