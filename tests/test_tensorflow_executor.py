@@ -141,7 +141,7 @@ def test_release_returns_the_model_to_one_device():
 
 
 def test_metric_state_survives_the_move():
-    from keras_parallel.backends.tensorflow import exact as tf_exact
+    from keras_parallel.backends.tensorflow import strategies
     from keras_parallel.backends.tensorflow import variables as tf_variables
 
     x, y = _data()
@@ -150,7 +150,7 @@ def test_metric_state_survives_the_move():
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     before = {k: float(v) for k, v in model.get_metrics_result().items()}
     weights = model.get_weights()
-    strategy = tf_exact.strategy_for(
+    strategy = strategies.strategy_for(
         ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
     )
     moved = tf_variables.move_variables(model, strategy)

@@ -35,8 +35,12 @@ from keras.distribution import DataParallel
 
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
+from keras_parallel.backends.tensorflow import (
+    element_spec_build,
+    saving_references,
+    strategies,
+)
 from keras_parallel.backends.tensorflow import exact as tf_exact
-from keras_parallel.backends.tensorflow import saving_references
 from keras_parallel.backends.tensorflow import variables as tf_variables
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import ArrayDataAdapter
@@ -150,7 +154,7 @@ class TensorFlowExecutor(Executor):
             self._undo_build = replace_methods(
                 model,
                 {
-                    "_maybe_symbolic_build": tf_exact.model_built_from_element_spec(
+                    "_maybe_symbolic_build": element_spec_build.model_built_from_element_spec(
                         model
                     )
                 },
@@ -184,7 +188,7 @@ class TensorFlowExecutor(Executor):
 
     def step_inputs(self, kind, args):
         # `predict_on_batch` calls the step with `[(x,)]`; `predict` hands
-        # an iterator (its model is built in `exact.late_distribution`).
+        # an iterator (its model is built in `element_spec_build.late_distribution`).
         data = args[0] if args else None
         if kind == "predict" and isinstance(data, list) and data:
             return data[0][0]
@@ -260,7 +264,9 @@ class TensorFlowExecutor(Executor):
             return workers
         devices = tuple(devices)
         if self.strategy is None or devices != self._devices:
-            self.strategy = tf_exact.strategy_for([_tf_device_name(d) for d in devices])
+            self.strategy = strategies.strategy_for(
+                [_tf_device_name(d) for d in devices]
+            )
             self._devices = devices
         return self.strategy
 

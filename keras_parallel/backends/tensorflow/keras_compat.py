@@ -47,7 +47,7 @@ BatchNormalization = internal(
 ).BatchNormalization
 
 #: Keras's TensorFlow optimizer, whose gradients are summed over the replicas
-#: before it clips or accumulates them (`exact.gradients_summed_first`).
+#: before it clips or accumulates them (`summed_gradients.gradients_summed_first`).
 TFOptimizer = internal(
     "keras.src.backend.tensorflow.optimizer",
     "TFOptimizer._backend_apply_gradients",
@@ -56,8 +56,8 @@ TFOptimizer = internal(
 
 #: TensorFlow's own internals (not Keras's), replaced in scope: the mirrored
 #: strategies' `_use_merge_call` (off while summed gradients are applied,
-#: `exact.no_merge_call_on_summed`) and the collectives' instance keys (fixed
-#: when traced inside control flow, `exact.static_keys_in_control_flow`).
+#: `summed_gradients.no_merge_call_on_summed`) and the collectives' instance keys (fixed
+#: when traced inside control flow, `collective_keys.static_keys_in_control_flow`).
 MirroredExtended = mirrored_strategy.MirroredExtended
 CollectiveAllReduceExtended = collective_all_reduce_strategy.CollectiveAllReduceExtended
 CollectiveReplicaLauncher = cross_device_utils.CollectiveReplicaLauncher
@@ -102,7 +102,7 @@ REPLACED = (
         "_maybe_symbolic_build",
         "while a plan is applied: a run that starts outside the scope "
         "(`ShardingCallback`'s second) builds from the element spec too "
-        "(`exact.model_built_from_element_spec`)",
+        "(`element_spec_build.model_built_from_element_spec`)",
         on_instances=True,
     ),
     Target(
@@ -116,7 +116,7 @@ REPLACED = (
         ("_backend_apply_gradients", "_all_reduce_sum_gradients"),
         "gradients summed over the replicas before they are clipped or "
         "accumulated, as one device clips the whole gradient "
-        "(`exact.gradients_summed_first`)",
+        "(`summed_gradients.gradients_summed_first`)",
     ),
     *(
         Target(
@@ -124,7 +124,7 @@ REPLACED = (
             "_use_merge_call",
             "no `merge_call` while summed gradients are applied: the update "
             "runs in each replica, inside the accumulation's `tf.cond` too "
-            "(`exact.no_merge_call_on_summed`)",
+            "(`summed_gradients.no_merge_call_on_summed`)",
         )
         for module, name in (
             ("mirrored_strategy", "MirroredExtended"),
@@ -136,7 +136,7 @@ REPLACED = (
         "_use_unique_instance_key",
         "a step traced inside control flow (`steps_per_execution > 1`) keys "
         "its collectives when traced, not with inputs `tf.cond` drops "
-        "(`exact.static_keys_in_control_flow`)",
+        "(`collective_keys.static_keys_in_control_flow`)",
     ),
     Target(
         "keras.src.layers.normalization.batch_normalization.BatchNormalization",

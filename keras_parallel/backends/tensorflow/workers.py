@@ -28,9 +28,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 
-from keras_parallel.backends.tensorflow import DEVICES_ENV
+from keras_parallel.backends.tensorflow import DEVICES_ENV, strategies
 from keras_parallel.backends.tensorflow import devices as tf_devices
-from keras_parallel.backends.tensorflow import exact as tf_exact
 from keras_parallel.replacements import replaced
 
 _strategy = None
@@ -114,13 +113,13 @@ def initialize_from_environment():
 
 
 class ExactMultiWorkerMirroredStrategy(
-    tf_exact.ExactRun, tf.distribute.MultiWorkerMirroredStrategy
+    strategies.ExactRun, tf.distribute.MultiWorkerMirroredStrategy
 ):
     """A `MultiWorkerMirroredStrategy` whose replicas know their share.
 
     The replicas of every worker: each worker's GPUs, else its logical CPU
     devices (all of them, where TensorFlow's own takes one). See
-    `tf_exact.ExactRun` for the exact loss weighting.
+    `strategies.ExactRun` for the exact loss weighting.
     """
 
     def __init__(self):
