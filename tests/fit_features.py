@@ -85,6 +85,11 @@ TORCH_LOCAL_BATCHNORM = Limit(
     "`keras_parallel.DataParallel(sync_batchnorm=True)` uses the global "
     "batch's statistics, as one device does (tests/test_torch_executor.py)"
 )
+JAX_EAGER_UNEVEN = (
+    "Uncompiled, JAX computes a batch the devices do not divide (the "
+    "epoch's last) whole on every device, exactly; every other batch is "
+    "split (only a compiled step can pad the last device's share)"
+)
 ON_BATCH_NO_CALLBACKS = (
     "`*_on_batch` calls no callback, so only the `compile(distribution=...)` "
     "door can distribute it"
@@ -758,6 +763,9 @@ class Case:
         doors: the doors it runs through.
         door_note: why a door is left out.
         limits: `{column id: Limit}` where it does not run.
+        uneven_whole: `{column id: reason}` where a batch the devices do
+            not divide (the epoch's last) is computed whole on every device
+            (exact, but not split), and why.
         rtol: the largest relative difference of any weight, log or
             prediction from one device's.
         why_rtol: why `rtol` is not the default.
@@ -776,6 +784,7 @@ class Case:
     doors: tuple = DOORS
     door_note: str = ""
     limits: dict = dataclasses.field(default_factory=dict)
+    uneven_whole: dict = dataclasses.field(default_factory=dict)
     rtol: float = 1e-5
     why_rtol: str = ""
     needs: str = None
@@ -878,6 +887,10 @@ CASES = {
             "run_eagerly",
             "`run_eagerly=True`, `jit_compile=False`",
             compile=mse_with(run_eagerly=True, jit_compile=False),
+            uneven_whole={
+                "jax-data": JAX_EAGER_UNEVEN,
+                "jax-model": JAX_EAGER_UNEVEN,
+            },
         ),
         Case(
             "auc_precision",
@@ -1153,6 +1166,8 @@ def cell(case, column):
         return "no", limit.reason
     if case.doors != DOORS:
         return "compile door", case.door_note
+    if column in case.uneven_whole:
+        return "yes", case.uneven_whole[column]
     return "yes", None
 
 

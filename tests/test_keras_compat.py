@@ -36,6 +36,7 @@ def _owners():
         "keras.Model (after fit)": model,
         "keras.Variable": model.weights[0],
         "keras.layers.BatchNormalization": model.layers[1],
+        "keras.layers.Layer": model.layers[2],
         "keras.optimizers.Optimizer": model.optimizer,
     }
 
@@ -123,7 +124,14 @@ def _instances():
     """Real objects to look instance attributes up on."""
     model = _owners()["keras.Model"]
     attention = keras.layers.MultiHeadAttention(num_heads=1, key_dim=2)
-    return [model, model.optimizer, *model.layers, attention]
+    return [
+        model,
+        model.optimizer,
+        *model.layers,
+        attention,
+        *model.weights,
+        *model.metrics,
+    ]
 
 
 def test_every_replaced_target_exists_in_this_keras():

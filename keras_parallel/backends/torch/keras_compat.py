@@ -84,7 +84,8 @@ get_device = (
 
 #: Maps a variable to another value while a layer runs (ModelParallel: an
 #: `Embedding` looks rows up in its table gathered along them,
-#: `output_constraints`).
+#: `output_constraints`; a weight regularizer reads its variable's whole
+#: value, `mesh_steps`).
 StatelessScope = internal(
     "keras.src.backend.common.stateless_scope", "StatelessScope"
 ).StatelessScope
@@ -101,6 +102,11 @@ OBJECT_ATTRIBUTES = {
     # `_track_variables` re-registers a layer's `_torch_params` after its
     # variables' values became DTensors (`dtensor_layouts.retrack`).
     "keras.Model": ("_flatten_layers", "_torch_params", "_track_variables"),
+    # The losses a forward pass added (`add_loss`, activity regularizers),
+    # their gradients scaled like the outputs' on an uneven batch (`steps`);
+    # under ModelParallel made whole and plain after the forward pass
+    # (`mesh_steps`).
+    "keras.layers.Layer": ("_losses",),
 }
 
 #: What the torch backend replaces while an entry point runs, through
@@ -135,6 +141,36 @@ REPLACED = (
         "call",
         "forward pass through DDP (`steps.py`) or on DTensors "
         "(`mesh_steps.py`), for one step",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.metrics.reduction_metrics.Mean",
+        "update_state",
+        "in a custom step, one value per step weighted by the rank's share "
+        "of the batch (`update_weights.py`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.layers.layer.Layer",
+        "_get_regularization_losses",
+        "weight regularizers computed on their variables' whole values: "
+        "one device's penalty, a plain scalar for the loss (`mesh_steps.py`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.backend.common.variables.Variable",
+        ("numpy", "assign"),
+        "a placed variable's whole value read (gathered, a collective) and "
+        "assigned (the same on every process), so that `get_weights()`, "
+        "`set_weights()` and `load_weights()` work through either door; for "
+        "the model's distributed life (`model_parallel.py`)",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.models.model.Model",
+        ("save", "save_weights"),
+        "every process gathers the split variables first, process 0 writes; "
+        "for the model's distributed life (`model_parallel.py`)",
         on_instances=True,
     ),
     Target(

@@ -24,6 +24,14 @@ which this extends); only the model's own `call` runs on DTensors:
   model axis, for a replicated variable used with split ones) are
   all-reduced there. Optimizer slots are DTensors with their variable's
   placements, so the update runs shard by shard.
+- Added losses: `add_loss` (an activity regularizer too) runs inside
+  `call` on the DTensor of the global batch, so its DTensor scalar is the
+  global batch's value; it is made whole and plain (`full_tensor()`) once
+  the forward pass has run. A weight regularizer reads its variable's
+  whole value, and its loss is plain. Keras adds both to the plain loss;
+  each is replicated, so DTensor's autograd counts its gradient once, as
+  one device does, and it is not scaled by `1 / D` as the outputs'
+  gradients are.
 - Metrics: one rank per data group (the one at index 0 of every other axis)
   counts its rows; the base class sums the counts over ranks.
 - Predict: the groups' rows are gathered in input order on every rank.
@@ -31,12 +39,14 @@ which this extends); only the model's own `call` runs on DTensors:
 
 import contextlib
 
+import numpy as np
 import torch
+from keras import ops
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keras_parallel.backends.torch import dtensor_layouts
-from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.keras_compat import StatelessScope, tree
 from keras_parallel.backends.torch.output_constraints import (
     FinishedSums,
     OutputConstraints,
@@ -90,6 +100,7 @@ class MeshSteps(RankSteps):
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
             self._stack.enter_context(reduced_gradients(optimizer))
+        self._stack.enter_context(whole_regularization_losses(self.model))
 
     def uninstall(self):
         if not self._installed:
@@ -116,6 +127,10 @@ class MeshSteps(RankSteps):
 
     def _counts(self, whole):
         return self.rank == 0 if whole else self.leader
+
+    def _counting_groups(self):
+        # One leader per data group counts a split batch.
+        return self.data_size
 
     def _scale(self, rows, start, stop, whole):
         return 1.0 if whole else 1.0 / self.data_size
@@ -148,16 +163,28 @@ class MeshSteps(RankSteps):
         placements = self.batch_placements()
         rows = self._local_rows
         # A whole batch that the mesh does not divide can make torch shard
-        # it unevenly over some axis inside the model, where a reshape then
-        # fails ("Cannot flatten unevenly sharded tensor"). In evaluation
-        # and prediction rows are independent: such a batch is padded to a
-        # multiple of the mesh size (its last row repeated) and the padding
-        # cut from the outputs. Training keeps the true batch (BatchNorm).
+        # it unevenly inside the model, where a reshape then fails ("Cannot
+        # flatten unevenly sharded tensor"), when a variable is split along
+        # the batch axis (KerasHub's layouts): the batch, replicated along
+        # that axis, meets the split weight. In evaluation and prediction
+        # rows are independent: such a batch is then padded to a multiple
+        # of the mesh size (its last row repeated) and the padding cut from
+        # the outputs. Only then: with no variable split along the batch
+        # axis nothing splits the replicated batch along it, and padding
+        # would change what is computed over the batch (an `add_loss` mean,
+        # an activity regularizer's sum). Training keeps the true batch
+        # (BatchNorm).
         pad = 0
-        if self._whole and not torch.is_grad_enabled():
+        if self._whole and not torch.is_grad_enabled() and self._splits_batch_axis():
             pad = -rows % self.mesh.size()
 
         def enter(leaf):
+            if isinstance(leaf, np.ndarray) and leaf.ndim and leaf.shape[0] == rows:
+                # `train_on_batch` (and `test_on_batch`, `predict_on_batch`)
+                # hand Keras's step the user's NumPy arrays, which a
+                # functional model converts inside `call`: left as they are,
+                # they would enter as this rank's rows only, whole.
+                leaf = ops.convert_to_tensor(leaf)
             if (
                 isinstance(leaf, torch.Tensor)
                 and not isinstance(leaf, DTensor)
@@ -180,12 +207,22 @@ class MeshSteps(RankSteps):
         with FinishedSums():
             outputs = self._own_call(*args, **kwargs)
         outputs = tree.map_structure(leave, outputs)
+        _whole_added_losses(self.model)
+        # The added losses are left unscaled: each is the global batch's,
+        # replicated (`_whole_added_losses`), and DTensor's autograd counts
+        # its gradient once; the outputs' loss is a mean over this data
+        # group's rows, whose gradient the groups sum.
         scale = self._grad_scale
         if scale != 1.0 and torch.is_grad_enabled():
             for t in tree.flatten(outputs):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g, s=scale: g * s)
         return outputs
+
+    def _splits_batch_axis(self):
+        """Whether the plan splits a variable along the batch axis."""
+        batch_axis = self.plan.batch_axis
+        return any(batch_axis in v.axes for v in self.plan.variables)
 
     def _gather(self, outputs, rows):
         # Each data group holds its rows; together, in order, they are the
@@ -199,6 +236,73 @@ class MeshSteps(RankSteps):
             return split.full_tensor()
 
         return tree.map_structure(gather, outputs)
+
+
+def whole(value):
+    """A DTensor made whole and plain (a collective); anything else as is.
+
+    Its gradient keeps DTensor's meaning: a replicated scalar's gradient is
+    counted once, not once per rank.
+    """
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value
+
+
+def _whole_added_losses(model):
+    """Makes the losses the forward pass added whole and plain (in place).
+
+    `add_loss` inside `call` (an activity regularizer too) computes on the
+    DTensor of the global batch: its value is already the global batch's.
+    Keras adds it to the plain loss of this rank's rows, which torch refuses
+    for a DTensor (an `AssertionError` in DTensor's dispatch). Every rank
+    runs the same layers, so the collectives come in the same order.
+
+    Args:
+        model: the Keras model whose forward pass just ran.
+    """
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        losses = layer._losses
+        if any(isinstance(loss, DTensor) for loss in losses):
+            losses[:] = [whole(loss) for loss in losses]
+
+
+@contextlib.contextmanager
+def whole_regularization_losses(model):
+    """While in scope, `model`'s weight-regularization losses are plain.
+
+    Keras computes them from the variables whenever it reads `model.losses`
+    (the loss of every train and test step). On the DTensor variables
+    themselves a regularizer may fail (`L1L2` adds its DTensor terms in
+    place to a plain zero: an `AssertionError` in DTensor's dispatch), and
+    what it returns is a DTensor that Keras cannot add to the plain loss.
+    So each regularizer reads its variable's whole value (gathered, a
+    collective; a replicated variable costs nothing), through Keras's own
+    `StatelessScope`: the penalty is one device's, computed in the same
+    order, and it is plain. Its gradient reaches each shard once: the
+    backward pass of a gather (or of `to_local` of a replicated DTensor)
+    hands each process its own part of one replicated gradient, which is
+    not summed over the ranks, unlike the partial sums of the outputs'
+    gradients.
+
+    Args:
+        model: the Keras model.
+    """
+    regularization_losses = model._get_regularization_losses
+
+    def whole_losses():
+        mapping = [
+            (variable, whole(variable.value))
+            for variable in model.trainable_weights
+            if variable.regularizer is not None
+        ]
+        if not any(isinstance(v.value, DTensor) for v, _ in mapping):
+            return regularization_losses()
+        with StatelessScope(state_mapping=mapping):
+            return [whole(loss) for loss in regularization_losses()]
+
+    with replaced({(model, "_get_regularization_losses"): whole_losses}):
+        yield
 
 
 @contextlib.contextmanager

@@ -6,8 +6,13 @@ has size 1, keep DistributedDataParallel, which is faster):
 
 - `apply`: makes the torch `DeviceMesh` (once), places every variable the
   plan lays out as a DTensor (`dtensor_layouts`), re-registers the layers'
-  torch parameters, and makes the model's saves write on rank 0 only while
-  every rank gathers (a collective save).
+  torch parameters, and, for the model's whole distributed life (through
+  either door, after an entry point as inside one), makes its values
+  readable and writable: every rank gathers before the model is saved,
+  rank 0 writes; a placed variable's `numpy()` (so `get_weights()` of the
+  model and of each layer) gathers its whole value, and its `assign()`
+  (`set_weights`, `load_weights`) takes a whole value, the same on every
+  rank.
 - `scope_parts`: the `MeshSteps` (rows, DTensor forward, reduced gradients,
   global metrics), the choice of when metrics are made global, and the
   chief-only callbacks (`ModelCheckpoint` runs on every rank: saving a split
@@ -23,7 +28,9 @@ from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.mesh_steps import MeshSteps
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.instance_methods import replace_methods
 from keras_parallel.plan import iter_planned_variables
+from keras_parallel.replacements import Replacements
 
 
 def splits_model(distribution):
@@ -58,6 +65,8 @@ class MeshRunner:
         self.steps = None
         self.model = None
         self._undo_saving = None
+        #: Each placed variable's `numpy` and `assign` (`_make_usable`).
+        self._methods = Replacements()
 
     def _torch_mesh(self):
         if self.mesh is None:
@@ -77,6 +86,7 @@ class MeshRunner:
             for variable, entry in iter_planned_variables(model, plan):
                 if dtensor_layouts.is_placed(entry, variable):
                     dtensor_layouts.place(variable, entry.axes, keras_mesh, mesh)
+                    self._make_usable(variable)
         dtensor_layouts.retrack(model)
         if self.steps is None:
             self.steps = MeshSteps(model, mesh, plan, self.executor.process_index)
@@ -84,9 +94,33 @@ class MeshRunner:
             # Planned again (fit built the optimizer) while an entry point
             # may run: the installed steps take the new plan.
             self.steps.plan = plan
-        if not self.executor.is_chief and self._undo_saving is None:
-            self._undo_saving = chief_only_saving(model, self.saving)
+        if self._undo_saving is None:
+            # For the model's whole distributed life, not only while an
+            # entry point runs: after `fit` with a `ShardingCallback` (whose
+            # own saving ends with the run), the variables are still split,
+            # and a save is still a collective.
+            if self.executor.is_chief:
+                self._undo_saving = gathered_saving(model, self.saving)
+            else:
+                self._undo_saving = chief_only_saving(model, self.saving)
         torch_group.on_teardown(self)
+
+    def _make_usable(self, variable):
+        # Outside an entry point too (after `fit` through either door), a
+        # placed variable reads and takes whole values as a plain one does:
+        # Keras's `Variable.numpy()` (which `Layer.get_weights()` calls)
+        # fails on a DTensor (".numpy() is not supported for tensor
+        # subclasses"), and its `assign` (`set_weights`, `load_weights`)
+        # copies a plain value into a DTensor, which torch refuses ("got
+        # mixed torch.Tensor and DTensor"). Only these methods of this
+        # object: `np.asarray(variable)` still raises, so that a callback
+        # reading weights on rank 0 alone (a `TensorBoard` histogram) fails
+        # at once rather than starting a gather the other ranks never join.
+        if "numpy" not in vars(variable):  # Placed by an earlier `apply`.
+            self._methods.replace(variable, "numpy", whole_numpy(variable))
+            self._methods.replace(
+                variable, "assign", replicated_assign(variable.assign)
+            )
 
     def scope_parts(self, model):
         """What `TorchExecutor.scope` installs while an entry point runs."""
@@ -126,6 +160,7 @@ class MeshRunner:
         for variable in variables:
             dtensor_layouts.unplace(variable)
         dtensor_layouts.retrack(model)
+        self._methods.restore()
         if self._undo_saving is not None:
             self._undo_saving()
             self._undo_saving = None
@@ -134,3 +169,72 @@ class MeshRunner:
     def close(self):
         """Drops the steps before the process group goes (at exit)."""
         self.release_steps()
+
+
+def whole_numpy(variable):
+    """`variable.numpy()` that gathers a DTensor value whole first.
+
+    Reading a split variable is a collective: every rank must read the same
+    variables in the same order, as `get_weights()` on every rank does.
+
+    Args:
+        variable: a `keras.Variable` that `dtensor_layouts.place` placed.
+
+    Returns:
+        A function of no argument returning the whole value as NumPy.
+    """
+
+    def numpy():
+        from keras import ops
+
+        return ops.convert_to_numpy(dtensor_layouts.whole_value(variable.value))
+
+    return numpy
+
+
+def replicated_assign(assign):
+    """`variable.assign` that takes a plain value as the same on every rank.
+
+    The value is whole (`set_weights`, `load_weights`), the same on every
+    process: each keeps its own part of it (`dtensor_layouts.promotion`),
+    with no collective.
+
+    Args:
+        assign: the variable's own `assign`.
+
+    Returns:
+        The function to call instead.
+    """
+
+    def assign_replicated(value):
+        with dtensor_layouts.promotion():
+            return assign(value)
+
+    return assign_replicated
+
+
+def gathered_saving(model, saving):
+    """Makes `model.save` and `save_weights` gather first, on rank 0.
+
+    The other ranks join the same gathers without writing
+    (`chief.chief_only_saving`): Keras then reads plain values.
+
+    Args:
+        model: the model of the chief process.
+        saving: the runner's `saving(model)` context.
+
+    Returns:
+        A function that undoes it.
+    """
+
+    def gathering(method):
+        def save(*args, **kwargs):
+            with saving(model):
+                return method(*args, **kwargs)
+
+        return save
+
+    names = ("save", "save_weights")
+    return replace_methods(
+        model, {name: gathering(getattr(model, name)) for name in names}
+    )

@@ -3,7 +3,8 @@
 While `MeshSteps` are installed, every layer's `call` is wrapped so that
 its DTensor outputs take the placements the plan gives them: a
 `<layer>/output` key's, or by default partial sums finished and the batch
-split along the batch axis only. Two Keras layers get a fix of their own
+split along the batch axis only; their gradients come back with the same
+placements (`PlacedGradient`). Two Keras layers get a fix of their own
 here (torch 2.13): `Embedding` with a table split along its rows, and
 `MultiHeadAttention` (see `OutputConstraints`). Inside the layers, every
 partial sum is finished where it is made (`FinishedSums`).
@@ -122,14 +123,49 @@ class OutputConstraints:
             if not isinstance(leaf, DTensor):
                 return leaf
             wanted = self._placements(leaf, output)
-            if tuple(leaf.placements) == wanted:
-                return leaf
-            return leaf.redistribute(self.steps.mesh, wanted)
+            if tuple(leaf.placements) != wanted:
+                leaf = leaf.redistribute(self.steps.mesh, wanted)
+            if leaf.requires_grad:
+                # Its gradient comes back laid out alike (`PlacedGradient`).
+                leaf = PlacedGradient.apply(leaf)
+            return leaf
 
         def constrained_call(*args, **kwargs):
             return tree.map_structure(constrain, call(*args, **kwargs))
 
         return constrained_call
+
+
+class PlacedGradient(torch.autograd.Function):
+    """The identity, whose gradient takes the placements of its input.
+
+    Applied to every layer output (`OutputConstraints`): the backward pass's
+    twin of the output's own placements. The gradient reaching a layer
+    output is otherwise laid out as the ops after it left it, which torch
+    chooses op by op in the backward pass, where no `FinishedSums` runs:
+    behind a column-split `Dense`, an LSTM's output gradient came back as
+    partial sums over the model axis, which torch finished by splitting the
+    batch over the model axis too; inside the LSTM that became a
+    `_StridedShard` of its time-major `[time * batch, features]` matmul
+    input, which torch 2.13 cannot view back as `[time, batch, features]`
+    ("Cannot unflatten tensor with _StridedShard placement"). Given the
+    output's placements (partial sums finished, the batch split along the
+    batch axis only), each layer's backward starts from the layout its
+    forward pass had. The values are the same (a sum finished earlier).
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mesh = x.device_mesh
+        ctx.placements = tuple(x.placements)
+        # A new tensor (a view, no copy) that carries this backward.
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
 
 
 def _gathered_lookup(call, layer, mesh):

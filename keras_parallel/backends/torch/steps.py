@@ -65,6 +65,7 @@ from keras_parallel.backends.torch.keras_compat import (
 )
 from keras_parallel.backends.torch.random_stream import RankRandomStream
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
+from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
 
 
@@ -279,7 +280,10 @@ class RankSteps:
                 self._grad_scale = self._scale(rows, start, stop, whole)
             self._route_call(routed)
             try:
-                with self._context(kind):
+                with (
+                    self._context(kind),
+                    self._per_step_weights(kind, rows, start, stop, whole),
+                ):
                     logs = step(local)
             finally:
                 self._route_call(False)
@@ -327,6 +331,26 @@ class RankSteps:
         used = rows * self.world_size if whole else rows
         return self.world_size * (stop - start) / used
 
+    def _counting_groups(self):
+        """How many ranks count a split batch's metric updates."""
+        return self.world_size
+
+    def _update_weight(self, rows, start, stop, whole):
+        """The weight of this rank's one-value-per-step metric updates
+        (`update_weights`): its counted rows' share times the counting
+        ranks, so that every step weighs as many updates in all. A batch
+        computed whole is counted by one rank: the whole weight."""
+        groups = self._counting_groups()
+        return float(groups) if whole else groups * (stop - start) / rows
+
+    def _per_step_weights(self, kind, rows, start, stop, whole):
+        if kind == "predict" or self._keras_steps.get(kind, False):
+            # Keras's own steps weigh every update by its rows already.
+            return contextlib.nullcontext()
+        return weighted_per_step_updates(
+            self.model.metrics, self._update_weight(rows, start, stop, whole)
+        )
+
     def _routes(self, kind):
         """Whether the model's forward pass is routed in this kind of step."""
         return kind == "train"
@@ -354,10 +378,23 @@ class RankSteps:
             outputs = self._own_call(*args, **kwargs)
         scale = self._grad_scale
         if scale != 1.0:
-            for t in tree.flatten(outputs):
+            for t in [*tree.flatten(outputs), *self._batch_losses()]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g, s=scale: g * s)
         return outputs
+
+    def _batch_losses(self):
+        """The losses this forward pass added (`add_loss`, activity
+        regularizers), each a mean over this rank's rows, as the outputs'
+        loss is: their gradients are scaled alike, or an uneven batch would
+        weigh each rank's rows by its share of the ranks, not of the rows.
+        Weight regularizers are not among them: every rank adds the whole
+        penalty, and DDP's average keeps it once."""
+        return [
+            loss
+            for layer in self.model._flatten_layers(include_self=True)
+            for loss in layer._losses
+        ]
 
     # -------------------------------------------------------- metrics
     def _metric_variables(self):
