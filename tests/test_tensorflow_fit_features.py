@@ -315,3 +315,99 @@ def test_guide_train_step_logs_the_one_device_loss(num_devices):
     assert model.optimizer.iterations.numpy() == 8
     assert _max_diff(model, reference) < 1e-5
     _assert_same_logs(histories, step_logs)
+
+
+# ------------------------------------------------- batches a generator yields
+class _Batches(keras.utils.PyDataset):
+    """A `PyDataset` of given batches (views of the caller's arrays)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = list(batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+
+def _aligned(array):
+    """A copy of `array` whose data starts on a 64-byte boundary.
+
+    TensorFlow wraps such an array's memory instead of copying it; whether
+    NumPy's own allocation is aligned varies from run to run, so the test
+    fixes it.
+    """
+    buffer = np.empty(array.nbytes + 64, dtype=np.uint8)
+    start = -buffer.ctypes.data % 64
+    aligned = buffer[start : start + array.nbytes].view(array.dtype)
+    aligned = aligned.reshape(array.shape)
+    aligned[...] = array
+    return aligned
+
+
+def _regressor(cls, num_devices=None, **compile_kwargs):
+    """12 features -> 16 (tanh) -> 8, mse: float targets, 32 bytes a row."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    x = keras.layers.Dense(16, activation="tanh", name="d1")(inputs)
+    model = cls(inputs=inputs, outputs=keras.layers.Dense(8, name="d2")(x))
+    if num_devices is not None:
+        compile_kwargs["distribution"] = keras_parallel.DataParallel(
+            devices=tf_devices.devices(num_devices)
+        )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss="mse",
+        metrics=["mae"],
+        **compile_kwargs,
+    )
+    return model
+
+
+@pytest.mark.parametrize(
+    "source, door",
+    [("pydataset", "model"), ("pydataset", "callback"), ("generator", "model")],
+)
+def test_python_batches_are_not_overwritten(source, door):
+    # TensorFlow wraps a 64-byte-aligned NumPy batch that a generator yields
+    # without copying, and splits it over the replicas in slices of that
+    # memory; a step's kernel then wrote mse's gradient into the caller's
+    # `y` (every replica's rows of it). A second epoch of the PyDataset
+    # trained on those (weights 2.5e-2 off one device), and `evaluate` on
+    # the arrays read them (half the loss): intermittently, as NumPy's
+    # allocation happened to be aligned.
+    x, _ = _data()
+    y = (3 * np.random.default_rng(2).normal(size=(len(x), 8))).astype("float32")
+    epochs = 2 if source == "pydataset" else 1  # A generator is consumed once.
+    callbacks = []
+    if door == "model":
+        model = _regressor(Net, num_devices=2)
+    else:
+        model = _regressor(keras.Model)
+        callbacks = [
+            keras_parallel.ShardingCallback(
+                keras_parallel.DataParallel(devices=tf_devices.devices(2))
+            )
+        ]
+    reference = _regressor(keras.Model)
+    arrays = {}
+    for m in (reference, model):
+        arrays[m] = (_aligned(x), _aligned(y))
+        data = _batches(*arrays[m])
+        data = _Batches(data) if source == "pydataset" else data
+        m.fit(
+            data,
+            epochs=epochs,
+            shuffle=False,  # A PyDataset's batches in one order for both.
+            verbose=0,
+            callbacks=callbacks if m is model else [],
+        )
+    got_x, got_y = arrays[model]
+    np.testing.assert_array_equal(got_x, x)
+    np.testing.assert_array_equal(got_y, y)
+    assert _max_diff(model, reference) < 1e-5
+    assert model.evaluate(
+        got_x, got_y, batch_size=64, verbose=0, callbacks=callbacks
+    ) == pytest.approx(reference.evaluate(x, y, batch_size=64, verbose=0), rel=1e-5)

@@ -44,6 +44,7 @@ used from there only by steps traced inside it.
 """
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -58,9 +59,11 @@ from keras_parallel.backends.tensorflow.keras_compat import (
     BatchNormalization,
     CollectiveAllReduceExtended,
     CollectiveReplicaLauncher,
+    CompileLoss,
     MirroredExtended,
     TensorFlowTrainer,
     TFOptimizer,
+    tree,
 )
 from keras_parallel.backends.tensorflow.keras_compat import loss as keras_loss
 from keras_parallel.backends.tensorflow.keras_compat import trainer as keras_tf_trainer
@@ -122,11 +125,54 @@ def exact_unscale_loss(keras_unscale):
         share = replica_share()
         if share is None:
             return keras_unscale(value)
+        if _COUNTED_PER_STEP.on:
+            # Weighted 1 per replica and step (`per_output_losses`): the
+            # value whose mean over the replicas is the global loss.
+            return value
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         weight = tf.cast(share, value.dtype) * replicas
         return tf.math.divide_no_nan(value, weight)
 
     return unscale_loss
+
+
+class _CountedPerStep(threading.local):
+    """Whether the loss being unscaled is tracked with weight 1 per update."""
+
+    on = False
+
+
+_COUNTED_PER_STEP = _CountedPerStep()
+
+
+def per_output_losses(keras_call):
+    """Keras's `CompileLoss.call`, its per-output loss logs made exact.
+
+    With several outputs, Keras logs each output's loss (`main_loss`, ...)
+    in a mean weighted by the batch's static size, unknown (`None`, weight
+    1) when the batches differ in size: one device averages the steps'
+    losses. A replica's update of weight 1 must then carry the value whose
+    mean over the replicas is the step's global loss, not the replica's own
+    mean (on a 6/5 split that weighs the 5 rows like the 6).
+
+    Args:
+        keras_call: the method it replaces.
+
+    Returns:
+        The exact `CompileLoss.call`.
+    """
+
+    def call(self, y_true, y_pred, sample_weight=None):
+        flat = tree.flatten(y_pred)
+        unknown = bool(flat) and flat[0].shape[0] is None
+        was = _COUNTED_PER_STEP.on
+        _COUNTED_PER_STEP.on = unknown
+        try:
+            return keras_call(self, y_true, y_pred, sample_weight)
+        finally:
+            _COUNTED_PER_STEP.on = was
+
+    return call
 
 
 def global_logs(model, keras_reduce_per_replica):
@@ -206,6 +252,7 @@ def patched(model):
             (keras_loss, "unscale_loss_for_distribution"): exact_unscale_loss(
                 keras_loss.unscale_loss_for_distribution
             ),
+            (CompileLoss, "call"): per_output_losses(CompileLoss.call),
             (trainer, "reduce_per_replica"): global_logs(
                 model, trainer.reduce_per_replica
             ),

@@ -33,6 +33,11 @@ loss = internal(
     "scale_loss_for_distribution",
     "unscale_loss_for_distribution",
 )
+#: Keras's compiled loss: several outputs' losses are each logged in a mean
+#: weighted by the batch's static size (`exact.per_output_losses`).
+CompileLoss = internal(
+    "keras.src.trainers.compile_utils", "CompileLoss.call"
+).CompileLoss
 #: Keras's data set of NumPy arrays, whose `get_tf_dataset` draws the epoch's
 #: shuffle; across workers it is drawn from NumPy (`workers.numpy_shuffles`).
 ArrayDataAdapter = internal(
@@ -80,6 +85,12 @@ REPLACED = (
         "each replica's loss weighted by its share of the batch: exact for "
         "uneven batches; its value one whose mean over the replicas is the "
         "loss, for a custom step to log (`exact.patched`)",
+    ),
+    Target(
+        "keras.src.trainers.compile_utils.CompileLoss",
+        "call",
+        "each output's logged loss (several outputs) weighted as one device "
+        "weighs it, by step when batch sizes differ (`exact.patched`)",
     ),
     Target(
         "keras.src.backend.tensorflow.trainer",
