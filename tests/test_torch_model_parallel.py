@@ -64,11 +64,14 @@ def four_ranks(saved_dir):
     cases = [
         dict(CASES[k], save_to=saved_dir) if k == SAVED else CASES[k] for k in names
     ]
-    results = _launch(workers.scenarios, 4, args=(cases, True, saved_dir, True))
+    results = _launch(
+        workers.scenarios, 4, args=(cases, True, saved_dir, True, saved_dir)
+    )
     out = {name: [rank[i] for rank in results] for i, name in enumerate(names)}
     out["bad_inputs"] = results[0][len(names)]
     out["checkpoints"] = [rank[len(names) + 1] for rank in results]
     out["jax_written"] = [rank[len(names) + 2] for rank in results]
+    out["after_fit"] = [rank[len(names) + 3] for rank in results]
     return out
 
 
@@ -349,6 +352,55 @@ def test_model_checkpoint_of_model_parallel_loads_on_one_device(
     # The last epoch's checkpoint holds the weights the run ended with.
     final = four_ranks["checkpoints"][0][run]
     for a, b in zip(loaded.get_weights(), final, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keras_reads_and_writes_split_weights_after_a_callback_door_fit(
+    four_ranks, single, saved_dir
+):
+    # After `fit(callbacks=[ShardingCallback(...)])` of a plain Keras model
+    # the split variables stay DTensors. Keras's own methods read and write
+    # them on every rank: `Variable.numpy()` gathers the whole value
+    # (`get_weights()`, of the model and of a layer; it raised ".numpy() is
+    # not supported for tensor subclasses"), `assign` takes a whole value
+    # (`set_weights`, `load_weights`; it raised "got mixed torch.Tensor and
+    # DTensor"), and `save_weights` gathers, rank 0 writing.
+    split = {
+        "d1/kernel": ["R", "S(1)"],
+        "d1/bias": ["R", "S(0)"],
+        "d2/kernel": ["R", "S(0)"],
+    }
+    ranks = four_ranks["after_fit"]
+    for result in ranks:
+        assert "error" not in result, result.get("error")
+        for placed in ("split", "still_split"):  # Assigned shard by shard.
+            assert {k: result[placed].get(k) for k in split} == split, placed
+        whole = result["whole"]  # Each variable's `full_tensor()`.
+        doubled = [2 * w for w in whole]
+        for name, expected in [
+            ("weights", whole),
+            ("d1", whole[:2]),  # `d1`'s kernel and bias.
+            ("set", doubled),
+            ("set_whole", doubled),
+            ("loaded", doubled),
+            ("loaded_whole", doubled),
+        ]:
+            assert len(result[name]) == len(expected), name
+            for a, b in zip(result[name], expected, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=name)
+        for a, b in zip(whole, ranks[0]["whole"], strict=True):
+            np.testing.assert_array_equal(a, b)
+    # The same training as the compile door's, as one device's.
+    for a, b in zip(
+        ranks[0]["whole"], four_ranks["mlp_ten_steps_2x2"][0]["weights"], strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    reference = single["mlp_ten_steps_2x2"]["weights"]
+    assert max_rel(ranks[0]["whole"], reference) < 1e-4
+    # The file rank 0 wrote loads into plain Keras on one device.
+    plain = workers.build("mlp", False)
+    plain.load_weights(os.path.join(saved_dir, "after_fit.weights.h5"))
+    for a, b in zip(plain.get_weights(), ranks[0]["set"], strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -509,10 +509,100 @@ def jax_written(n=1003):
     }
 
 
-def scenarios(cases, with_errors=False, checkpoint_dir=None, with_jax_written=False):
+def _whole_values(model):
+    """Each weight's whole value, gathered (`full_tensor()`, a collective)
+    from the variable's tensor: not through `Variable.numpy()`."""
+    from keras_parallel.backends.torch import dtensor_layouts
+
+    return [
+        dtensor_layouts.whole_value(v._value).detach().cpu().numpy().copy()
+        for v in model.weights
+    ]
+
+
+def _split_weights(model):
+    """`{path: placements}` of the model's weights that are DTensors."""
+    from keras_parallel.backends.torch import dtensor_layouts
+
+    return {
+        v.path: [str(p) for p in v._value.placements]
+        for v in model.weights
+        if dtensor_layouts.is_dtensor(v._value)
+    }
+
+
+def weights_after_callback_fit(folder, mesh=(2, 2)):
+    """The MLP of `mlp_ten_steps_2x2` fit through the callback door, then
+    its weights read and written through Keras's own methods, every rank.
+
+    A plain `keras.Model` is fit with `callbacks=[ShardingCallback(...)]`;
+    its split variables stay DTensors after `fit`. Then, on every rank:
+    `get_weights()` of the model and of `d1`; `set_weights` of the whole
+    values doubled; `save_weights` to `folder/after_fit.weights.h5` (rank 0
+    writes), a barrier, `set_weights` of the trained values again, and
+    `load_weights` of the file.
+
+    Returns:
+        `{"split", "whole", "weights", "d1", "set", "set_whole", "loaded",
+        "loaded_whole", "still_split"}` (`*whole`: gathered from the
+        variables' tensors, `_whole_values`), or with `"error"` (a
+        traceback) where a step failed: every rank fails alike, where the
+        variables are read or assigned, before any collective of that step.
+    """
+    import traceback
+
+    keras = _keras()
+    import torch.distributed as dist
+
+    import keras_parallel
+
+    x, y = data("mlp", 640)
+    model = build("mlp", False)  # Plain Keras: only the callback distributes.
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    callback = keras_parallel.ShardingCallback(distribution("mlp", mesh, model))
+    out = {}
+    try:
+        model.fit(
+            x,
+            y,
+            batch_size=64,
+            epochs=1,
+            steps_per_epoch=10,
+            shuffle=False,
+            verbose=0,
+            callbacks=[callback],
+        )
+        out["split"] = _split_weights(model)
+        out["whole"] = _whole_values(model)
+        out["weights"] = [np.asarray(w) for w in model.get_weights()]
+        out["d1"] = [np.asarray(w) for w in model.get_layer("d1").get_weights()]
+        model.set_weights([2 * w for w in out["whole"]])
+        out["set"] = [np.asarray(w) for w in model.get_weights()]
+        out["set_whole"] = _whole_values(model)
+        path = os.path.join(folder, "after_fit.weights.h5")
+        model.save_weights(path)
+        dist.barrier()  # Rank 0 wrote the file.
+        model.set_weights(out["whole"])
+        model.load_weights(path)
+        out["loaded"] = [np.asarray(w) for w in model.get_weights()]
+        out["loaded_whole"] = _whole_values(model)
+        out["still_split"] = _split_weights(model)
+    except Exception:
+        out["error"] = traceback.format_exc()
+    return out
+
+
+def scenarios(
+    cases,
+    with_errors=False,
+    checkpoint_dir=None,
+    with_jax_written=False,
+    after_fit_dir=None,
+):
     """Runs `train(**case)` for each case in this process; returns the list
     (then the `bad_inputs()` texts, then the `checkpoint_runs`, then
-    `jax_written()`, which runs first: before anything else in the process)."""
+    `jax_written()`, which runs first: before anything else in the process,
+    then `weights_after_callback_fit(after_fit_dir)`)."""
     first = jax_written() if with_jax_written else None
     results = [train(**case) for case in cases]
     if with_errors:
@@ -521,4 +611,6 @@ def scenarios(cases, with_errors=False, checkpoint_dir=None, with_jax_written=Fa
         results.append(checkpoint_runs(checkpoint_dir))
     if with_jax_written:
         results.append(first)
+    if after_fit_dir is not None:
+        results.append(weights_after_callback_fit(after_fit_dir))
     return results
