@@ -295,3 +295,27 @@ def peer_failed_error(error, own_rank, where):
         f"{error}. See the other ranks' output for the cause; "
         f"{TIMEOUT_ENV} bounds how long a rank waits for a silent peer."
     )
+
+
+def is_collective_failure(error):
+    """Whether `error` is a collective that broke (a peer stopped, a timeout).
+
+    Args:
+        error: what a collective raised.
+
+    Returns:
+        True for torch's `DistError` and the gloo/NCCL connection errors.
+    """
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(
+        word in text
+        for word in (
+            "gloo",
+            "nccl",
+            "connection closed",
+            "connection reset",
+            "timed out",
+        )
+    )

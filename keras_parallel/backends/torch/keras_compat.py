@@ -22,7 +22,7 @@ if torch_trainer_with_ddp is not None:
     )
 #: The epoch iterator of Keras's torch `fit`, `evaluate` and `predict`: its
 #: `__iter__` (where an epoch starts) is replaced in scope so that the ranks
-#: compare the size of the data they are about to iterate (`steps`).
+#: compare the size of the data they are about to iterate (`same_data`).
 TorchEpochIterator = internal(
     "keras.src.backend.torch.trainer", "TorchEpochIterator.__iter__"
 ).TorchEpochIterator
@@ -134,7 +134,7 @@ REPLACED = (
         "keras.src.backend.torch.trainer.TorchEpochIterator",
         "__iter__",
         "every rank compares the size of its data with the others' before an "
-        "epoch's first collective (`steps.py`)",
+        "epoch's first collective (`same_data.py`)",
     ),
     Target(
         "keras.src.models.model.Model",

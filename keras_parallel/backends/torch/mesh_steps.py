@@ -128,10 +128,6 @@ class MeshSteps(RankSteps):
     def _counts(self, whole):
         return self.rank == 0 if whole else self.leader
 
-    def _counting_groups(self):
-        # One leader per data group counts a split batch.
-        return self.data_size
-
     def _scale(self, rows, start, stop, whole):
         return 1.0 if whole else 1.0 / self.data_size
 

@@ -17,53 +17,41 @@ rewrite `fit`'s arguments, but both can reach the step):
   global mean only if every rank has `B / W` rows, so the output gradient of
   rank `r` is scaled by `W * n_r / sum(n)`: the average is then exactly the
   gradient of the global batch's mean loss, uneven last batch included.
-- Metrics: every metric state (the loss tracker's total and count, the
-  accuracy's, ...) is made global by adding the sum over ranks of its
-  change since the last time it was made global. Keras then reads the same
-  numbers on every rank, and they are the single-process numbers. This
-  assumes additive states (sums and counts), as every built-in Keras metric
-  has. It happens after every step when a callback reads per-step logs,
-  else once, when Keras reads the results at the end of the epoch or
-  evaluation (see `torch_step_logs`). A custom step's returned logs are
-  made global in the same all-reduce (`step_logs.ReturnedLogs`): Keras keeps
-  them, not `get_metrics_result()`, where their keys differ.
-- Check: when an epoch starts (and `evaluate` or `predict`), every rank
-  gathers every rank's data size (rows, steps, batch size: one all-gather
-  of a fixed shape) and all raise the same `ValueError` if they differ,
-  before any collective whose size depends on the data. The metrics'
-  reduction then carries each rank's global batch size and a checksum of
-  its first input, so ranks fed other contents (another shuffle) or data
-  of a size no rank knew (a generator) fail with a `ValueError` instead of
-  silently training on something else.
+- Metrics: every metric state is made global by its change summed over
+  ranks (`metric_states.MetricStates`): after every step when a callback
+  reads per-step logs, else once, when Keras reads the results at the end
+  of the epoch or evaluation (`step_logs`). A custom step's returned logs
+  are made global in the same all-reduce (`step_logs.ReturnedLogs`): Keras
+  keeps them, not `get_metrics_result()`, where their keys differ; its
+  one-value-per-step updates are weighted by the rank's rows
+  (`update_weights`).
+- Check: when an epoch starts (and `evaluate` or `predict`), the ranks
+  compare the size of their data (`same_data.SameDataCheck`); the metrics'
+  all-reduce then compares their batches' rows and checksums, so ranks fed
+  other contents (another shuffle) or data of a size no rank knew (a
+  generator) fail with a `ValueError` instead of silently training on
+  something else.
 - Predict: each rank predicts its rows, and the rows are gathered back into
   input order on every rank.
 """
 
 import contextlib
 import math
-import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from keras_parallel.backends.torch import group as torch_group
-from keras_parallel.backends.torch.batches import (
-    batch_rows,
-    check_same_batches,
-    check_same_data,
-    checksum,
-    data_size,
-    slice_rows,
-    split_rows,
-)
+from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
 from keras_parallel.backends.torch.keras_compat import (
     TorchEpochIterator,
     keras_step,
     local_metrics_result,
     tree,
 )
+from keras_parallel.backends.torch.metric_states import MetricStates
 from keras_parallel.backends.torch.random_stream import RankRandomStream
+from keras_parallel.backends.torch.same_data import SameDataCheck
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
@@ -119,9 +107,8 @@ class RankSteps:
         self._call_route = Replacements()  # `call`, for one step.
         self._own_call = None
         self._grad_scale = 1.0
-        self._pending = None  # Metric states when last made global, flat.
-        self._rows_seen = 0.0  # Rows and checksums since then, for the
-        self._check_seen = 0.0  # same-batches check.
+        self._metric_states = MetricStates(model, rank)
+        self._same_data = SameDataCheck(model, world_size, rank)
         self._global_step_logs = True
         self._in_step = False
         self._whole = False
@@ -154,7 +141,9 @@ class RankSteps:
             self._epoch_logs(model._get_metrics_result_or_logs),
         )
         self._replacements.replace(
-            TorchEpochIterator, "__iter__", self._epoch_begins(TorchEpochIterator)
+            TorchEpochIterator,
+            "__iter__",
+            self._same_data.epoch_begins(TorchEpochIterator),
         )
         self._step = 0
         # Until a run's callbacks say otherwise (train_on_batch has none,
@@ -171,59 +160,9 @@ class RankSteps:
 
     def set_global_step_logs(self, on):
         """Whether each step's logs are made global (see `torch_step_logs`)."""
-        if self._pending is not None and not self._in_step:
+        if self._metric_states.pending and not self._in_step:
             self._reduce_metrics()  # What the last run left local.
         self._global_step_logs = bool(on)
-
-    # ------------------------------------------------------ the data
-    def _epoch_begins(self, iterator_class):
-        """`__iter__` of Keras's epoch iterator, comparing the data first.
-
-        Keras's torch `fit` (each epoch, and its validation), `evaluate`
-        and `predict` start iterating their data there, before any
-        collective whose size depends on the data.
-        """
-        keras_iter = iterator_class.__iter__
-
-        def begin_epoch(iterator):
-            # Only the iterations of this model's own run: a model a callback
-            # runs on one rank alone must not start a collective. Keras's
-            # trainer iterates in a method of the model (`fit`, `evaluate`,
-            # `predict`, `_symbolic_build`).
-            if sys._getframe(1).f_locals.get("self") is self.model:
-                self._check_same_data(iterator)
-            return keras_iter(iterator)
-
-        return begin_epoch
-
-    def _check_same_data(self, iterator):
-        """Every rank gathers every rank's `data_size`, and all judge alike.
-
-        Ranks whose data differ in size would run different numbers of
-        steps, or steps of different sizes, and the first collective that
-        differs aborts gloo ("Received data size doesn't match expected
-        size") or hangs: one all-gather of a fixed shape, once per epoch,
-        turns that into the same `ValueError` on every rank.
-        """
-        mine = torch.tensor(data_size(iterator), dtype=torch.int64)
-        if torch_group.device_type() == "cuda":
-            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        try:
-            dist.all_gather(parts, mine)
-        except Exception as error:
-            if _is_collective_failure(error):
-                raise torch_group.peer_failed_error(
-                    error, self.rank, "the check of the data's size"
-                ) from error
-            raise
-        try:
-            check_same_data([p.tolist() for p in parts])
-        except ValueError as error:
-            # Every rank raises it, but a rank that gets to another
-            # collective first (a user's own) still learns why.
-            torch_group.publish_failure(self.rank, error)
-            raise
 
     # ---------------------------------------------------------- steps
     def _wrap(self, step, kind):
@@ -234,7 +173,7 @@ class RankSteps:
             except torch_group.PeerFailedError:
                 raise
             except Exception as error:
-                if _is_collective_failure(error):
+                if torch_group.is_collective_failure(error):
                     raise torch_group.peer_failed_error(
                         error, self.rank, where
                     ) from error
@@ -265,14 +204,12 @@ class RankSteps:
             finally:
                 self._route_call(False)
             return outputs if whole else self._gather(outputs, rows)
-        if self._pending is None:
-            self._pending = self._metric_state()
+        self._metric_states.start()
         # Every rank computes a whole batch (or, under ModelParallel, its
         # data group's rows); one rank alone may count them.
         lazy_skip = not self._counts(whole) and not self._global_step_logs
-        before_step = self._metric_state() if lazy_skip else None
-        self._rows_seen += rows
-        self._check_seen += checksum(data)
+        before_step = self._metric_states.snapshot() if lazy_skip else None
+        self._metric_states.saw(rows, data)
         self._in_step = True
         try:
             if kind == "train":
@@ -296,13 +233,13 @@ class RankSteps:
             rows_counted = (stop - start) if self._counts(whole) else 0
             returned = ReturnedLogs(logs, self.model.metrics, rows_counted)
         if before_step is not None:
-            self._set_metric_state(before_step)
+            self._metric_states.restore(before_step)
         if returned is not None and self._global_step_logs:
             return self._global_logs(returned)
         if returned is not None:
             # Made global when Keras reads the epoch's logs (`_epoch_logs`).
             self._returned = returned
-        if self._global_step_logs and self._pending is not None:
+        if self._global_step_logs and self._metric_states.pending:
             # A custom step that never asked for the metrics' results.
             self._reduce_metrics()
         return logs
@@ -331,17 +268,14 @@ class RankSteps:
         used = rows * self.world_size if whole else rows
         return self.world_size * (stop - start) / used
 
-    def _counting_groups(self):
-        """How many ranks count a split batch's metric updates."""
-        return self.world_size
-
     def _update_weight(self, rows, start, stop, whole):
         """The weight of this rank's one-value-per-step metric updates
-        (`update_weights`): its counted rows' share times the counting
-        ranks, so that every step weighs as many updates in all. A batch
-        computed whole is counted by one rank: the whole weight."""
-        groups = self._counting_groups()
-        return float(groups) if whole else groups * (stop - start) / rows
+        (`update_weights`): the world size times the share of the batch's
+        rows it counts, so that every step weighs the world size in all,
+        whichever ranks count it (all of them, a data group's leaders, or
+        one rank for a batch computed whole)."""
+        counted = rows if whole else stop - start
+        return self.world_size * counted / rows
 
     def _per_step_weights(self, kind, rows, start, stop, whole):
         if kind == "predict" or self._keras_steps.get(kind, False):
@@ -397,20 +331,11 @@ class RankSteps:
         ]
 
     # -------------------------------------------------------- metrics
-    def _metric_variables(self):
-        return list(self.model.metrics_variables)
-
-    def _metric_state(self):
-        variables = self._metric_variables()
-        if not variables:
-            return torch.zeros(0, dtype=torch.float64)
-        return torch.cat(
-            [v.value.detach().reshape(-1).to(torch.float64) for v in variables]
-        )
-
     def _metrics_result(self):
         # Inside a step whose logs nobody reads, the local results do.
-        if self._pending is not None and (self._global_step_logs or not self._in_step):
+        if self._metric_states.pending and (
+            self._global_step_logs or not self._in_step
+        ):
             self._reduce_metrics()
         return self._original_metrics_result()
 
@@ -421,7 +346,7 @@ class RankSteps:
         at the end of the epoch); a step that made them global itself
         (asking for `get_metrics_result`) costs one more for its own numbers.
         """
-        if self._pending is not None:
+        if self._metric_states.pending:
             reduced = self._reduce_metrics(returned.packed())
         else:
             reduced = returned.packed()
@@ -448,42 +373,13 @@ class RankSteps:
         return get_metrics_result_or_logs
 
     def _reduce_metrics(self, extra=None):
-        """Makes the metric states global; sums `extra` over ranks with them.
+        """Makes the metric states global (`metric_states.MetricStates`).
 
-        Args:
-            extra: an optional float64 tensor every rank adds to the same
-                all-reduce (a custom step's logs).
-
-        Returns:
-            `extra` summed over the ranks (empty without `extra`).
+        When every step is made global, a batch computed whole by every
+        rank counts on one rank only (`_counts`).
         """
-        before, self._pending = self._pending, None
-        after = self._metric_state()
-        delta = after - before.to(after.device)
-        if self._global_step_logs and not self._counts(self._whole):
-            delta = torch.zeros_like(delta)  # Counted once, by another rank.
-        rows, check = self._rows_seen, self._check_seen
-        self._rows_seen = self._check_seen = 0.0
-        checks = torch.tensor(
-            [1.0, rows, rows * rows, check, check * check], dtype=torch.float64
-        )
-        if extra is None:
-            extra = torch.zeros(0, dtype=torch.float64)
-        n = delta.numel()
-        packed = torch.cat([delta, checks.to(delta.device), extra.to(delta.device)])
-        dist.all_reduce(packed)
-        check_same_batches(packed[n : n + len(checks)].tolist(), self.rank, rows)
-        self._set_metric_state(before.to(after.device) + packed[:n])
-        return packed[n + len(checks) :].cpu()
-
-    def _set_metric_state(self, flat):
-        offset = 0
-        with torch.no_grad():
-            for v in self._metric_variables():
-                n = int(np.prod(v.shape)) if len(v.shape) else 1
-                piece = flat[offset : offset + n].reshape(tuple(v.shape))
-                v.value.copy_(piece.to(v.value.dtype))
-                offset += n
+        counted = not self._global_step_logs or self._counts(self._whole)
+        return self._metric_states.reduce(counted, extra)
 
     # -------------------------------------------------------- predict
     def _gather(self, outputs, rows):
@@ -529,19 +425,3 @@ class RankSteps:
                 n = v.value.numel()
                 v.value.copy_(flat[offset : offset + n].reshape(v.value.shape))
                 offset += n
-
-
-def _is_collective_failure(error):
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(
-        word in text
-        for word in (
-            "gloo",
-            "nccl",
-            "connection closed",
-            "connection reset",
-            "timed out",
-        )
-    )

@@ -7,12 +7,13 @@ in fit() with PyTorch" writes it updates it with one value per step,
 `loss_tracker.update_state(loss)`: weight 1. On one device an epoch's loss
 is then the mean of the steps' losses; summed over `W` ranks it is the
 mean of `W` per-rank means, which weighs the rows of an uneven batch
-(22/21) by their rank, not by their number. Weighting each rank's update by
-its share of the counted rows times the counting ranks (`W * n_r / N`)
-makes the `W` updates of a step weigh `W` in all, and their mean the step's
-global mean: the one-device epoch loss, up to the same factor `W` on every
-step. A batch that one rank counts alone (computed whole on every rank)
-weighs `W` on that rank.
+(22/21) by their rank, not by their number. Weighting each counting rank's
+update by `W` times its share of the batch's rows (`W * n_r / N`) makes
+every step weigh `W` in all, and the mean of its updates the step's global
+mean: the one-device epoch loss, up to the same factor `W` on every step.
+That holds whichever ranks count a step: every rank, the leader of each
+data group under ModelParallel (each `W / D`), or one rank for a batch
+computed whole (`W`).
 """
 
 import contextlib

@@ -1,0 +1,111 @@
+"""A model's metric states, made global over the ranks by their change.
+
+Every rank updates its own metric states (the loss tracker's total and
+count, an accuracy's, ...) from the rows it computed. Made global, each
+state is its value when last made global plus the sum over the ranks of its
+change since: the single-process numbers, the same on every rank, for
+additive states (sums and counts), as every built-in Keras metric has. The
+all-reduce that does it also carries the rows and a checksum of the batches
+each rank saw since, so that ranks fed other data fail alike
+(`batches.check_same_batches`), and any other numbers the caller adds (a
+custom step's logs, `step_logs.ReturnedLogs`).
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keras_parallel.backends.torch.batches import check_same_batches, checksum
+
+
+class MetricStates:
+    """The metric states of one model, made global when asked.
+
+    Args:
+        model: the Keras model.
+        rank: this process's rank (named by the same-batches error).
+
+    Example:
+
+    >>> states = MetricStates(model, rank)
+    >>> states.start()
+    >>> model.train_step(batch)          # updates this rank's states
+    >>> states.saw(rows, batch)
+    >>> states.reduce(counted=True)      # one all-reduce: global states
+    """
+
+    def __init__(self, model, rank):
+        self.model = model
+        self.rank = rank
+        self._pending = None  # The states when last made global, flat.
+        self._rows_seen = 0.0  # Rows and checksums since then.
+        self._check_seen = 0.0
+
+    @property
+    def pending(self):
+        """Whether this rank's states may hold changes not made global."""
+        return self._pending is not None
+
+    def start(self):
+        """Remembers the states as they are now, unless already remembered."""
+        if self._pending is None:
+            self._pending = self.snapshot()
+
+    def saw(self, rows, data):
+        """Adds a global batch to the rows and checksum the ranks compare."""
+        self._rows_seen += rows
+        self._check_seen += checksum(data)
+
+    def snapshot(self):
+        """The states as one flat float64 tensor."""
+        variables = list(self.model.metrics_variables)
+        if not variables:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat(
+            [v.value.detach().reshape(-1).to(torch.float64) for v in variables]
+        )
+
+    def restore(self, flat):
+        """Sets the states from a `snapshot()`."""
+        offset = 0
+        with torch.no_grad():
+            for v in self.model.metrics_variables:
+                n = int(np.prod(v.shape)) if len(v.shape) else 1
+                piece = flat[offset : offset + n].reshape(tuple(v.shape))
+                v.value.copy_(piece.to(v.value.dtype))
+                offset += n
+
+    def reduce(self, counted, extra=None):
+        """Makes the states global; sums `extra` over the ranks with them.
+
+        Args:
+            counted: whether this rank's changes count (False where another
+                rank counts a batch every rank computed whole).
+            extra: an optional float64 tensor every rank adds to the same
+                all-reduce.
+
+        Returns:
+            `extra` summed over the ranks (empty without `extra`).
+
+        Raises:
+            ValueError: the ranks saw different batches since the last
+                reduction (`batches.check_same_batches`), on every rank.
+        """
+        before, self._pending = self._pending, None
+        after = self.snapshot()
+        delta = after - before.to(after.device)
+        if not counted:
+            delta = torch.zeros_like(delta)
+        rows, check = self._rows_seen, self._check_seen
+        self._rows_seen = self._check_seen = 0.0
+        checks = torch.tensor(
+            [1.0, rows, rows * rows, check, check * check], dtype=torch.float64
+        )
+        if extra is None:
+            extra = torch.zeros(0, dtype=torch.float64)
+        n = delta.numel()
+        packed = torch.cat([delta, checks.to(delta.device), extra.to(delta.device)])
+        dist.all_reduce(packed)
+        check_same_batches(packed[n : n + len(checks)].tolist(), self.rank, rows)
+        self.restore(before.to(after.device) + packed[:n])
+        return packed[n + len(checks) :].cpu()

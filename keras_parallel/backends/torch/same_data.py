@@ -1,0 +1,90 @@
+"""Every rank compares the size of its data before an epoch starts.
+
+Ranks whose data differ in size would run different numbers of steps, or
+steps of different sizes, and the first collective that differs aborts gloo
+("Received data size doesn't match expected size") or hangs. Keras's torch
+`fit` (each epoch, and its validation), `evaluate` and `predict` start
+iterating their data in `TorchEpochIterator.__iter__`, before any such
+collective: there every rank gathers every rank's `data_size` (one
+all-gather of a fixed shape) and all raise the same `ValueError` if they
+differ.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.batches import check_same_data, data_size
+
+
+class SameDataCheck:
+    """The check of one model's runs, for `TorchEpochIterator.__iter__`.
+
+    Args:
+        model: the Keras model whose runs are checked.
+        world_size: the number of ranks.
+        rank: this rank.
+
+    Example:
+
+    >>> check = SameDataCheck(model, world_size, rank)
+    >>> replacements.replace(
+    ...     TorchEpochIterator, "__iter__", check.epoch_begins(TorchEpochIterator)
+    ... )
+    """
+
+    def __init__(self, model, world_size, rank):
+        self.model = model
+        self.world_size = world_size
+        self.rank = rank
+
+    def epoch_begins(self, iterator_class):
+        """`iterator_class.__iter__`, comparing the data first.
+
+        Args:
+            iterator_class: Keras's torch epoch iterator class.
+
+        Returns:
+            The function to install as its `__iter__`.
+        """
+        keras_iter = iterator_class.__iter__
+
+        def begin_epoch(iterator):
+            # Only the iterations of this model's own run: a model a callback
+            # runs on one rank alone must not start a collective. Keras's
+            # trainer iterates in a method of the model (`fit`, `evaluate`,
+            # `predict`, `_symbolic_build`).
+            if sys._getframe(1).f_locals.get("self") is self.model:
+                self.check(iterator)
+            return keras_iter(iterator)
+
+        return begin_epoch
+
+    def check(self, iterator):
+        """Every rank gathers every rank's `data_size`, and all judge alike.
+
+        Raises:
+            ValueError: the ranks' data differ in size (on every rank).
+            PeerFailedError: the all-gather broke because a peer stopped.
+        """
+        mine = torch.tensor(data_size(iterator), dtype=torch.int64)
+        if torch_group.device_type() == "cuda":
+            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(parts, mine)
+        except Exception as error:
+            if torch_group.is_collective_failure(error):
+                raise torch_group.peer_failed_error(
+                    error, self.rank, "the check of the data's size"
+                ) from error
+            raise
+        try:
+            check_same_data([p.tolist() for p in parts])
+        except ValueError as error:
+            # Every rank raises it, but a rank that gets to another
+            # collective first (a user's own) still learns why.
+            torch_group.publish_failure(self.rank, error)
+            raise
