@@ -287,16 +287,22 @@ def custom_train_step(model_class):
     its `CustomModel` for this backend: its own gradient step, the loss from
     `compile`, the metrics updated by hand."""
     keras = _keras()
-    base = {
-        "jax": _jax_custom_model,
-        "torch": _torch_custom_model,
-        "tensorflow": _tensorflow_custom_model,
-    }[keras.backend.backend()]()
+    base = guide_custom_model()
     inputs = keras.Input((FEATURES,))
     x = probe()(inputs)
     x = keras.layers.Dense(32, activation="relu", name="d1")(x)
     y = keras.layers.Dense(OUTPUTS, name="head")(x)
     return model_class(base)(inputs=inputs, outputs=y)
+
+
+def guide_custom_model():
+    """The `CustomModel` class of the Keras guide "Customizing what happens
+    in fit()" for the backend Keras runs on, as the guide writes it."""
+    return {
+        "jax": _jax_custom_model,
+        "torch": _torch_custom_model,
+        "tensorflow": _tensorflow_custom_model,
+    }[_keras().backend.backend()]()
 
 
 def _jax_custom_model():

@@ -12,6 +12,7 @@ weights and logs, and checks with `split_probe` that every step's batch was
 split over the devices.
 """
 
+import fit_features
 import keras
 import numpy as np
 import pytest
@@ -23,7 +24,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 if keras.backend.backend() == "tensorflow":
-    import tensorflow as tf
     import tf_devices  # conftest split the CPU into logical devices
 
 import keras_parallel  # noqa: E402
@@ -37,28 +37,13 @@ class Net(keras_parallel.DistributedModel, keras.Model):
     pass
 
 
-class GuideModel(keras.Model):
-    """The `train_step` of Keras's guide "Customizing what happens in `fit()`
-    with TensorFlow", as written there."""
+if keras.backend.backend() == "tensorflow":
+    #: The `train_step` of Keras's guide "Customizing what happens in
+    #: `fit()` with TensorFlow", as written there.
+    GuideModel = fit_features.guide_custom_model()
 
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        trainable_vars = self.trainable_variables
-        gradients = tape.gradient(loss, trainable_vars)
-        self.optimizer.apply(gradients, trainable_vars)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-
-class GuideNet(keras_parallel.DistributedModel, GuideModel):
-    pass
+    class GuideNet(keras_parallel.DistributedModel, GuideModel):
+        pass
 
 
 def _model(cls, num_devices=None, optimizer=None, **compile_kwargs):
@@ -348,10 +333,13 @@ def _aligned(array):
 
 
 def _regressor(cls, num_devices=None, **compile_kwargs):
-    """12 features -> 16 (tanh) -> 8, mse: float targets, 32 bytes a row."""
+    """12 features -> probe -> 16 (tanh) -> 8, mse: float targets, 32 bytes
+    a row."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((12,))
-    x = keras.layers.Dense(16, activation="tanh", name="d1")(inputs)
+    x = keras.layers.Dense(16, activation="tanh", name="d1")(
+        split_probe.probe()(inputs)
+    )
     model = cls(inputs=inputs, outputs=keras.layers.Dense(8, name="d2")(x))
     if num_devices is not None:
         compile_kwargs["distribution"] = keras_parallel.DataParallel(
@@ -394,6 +382,7 @@ def test_python_batches_are_not_overwritten(source, door):
     reference = _regressor(keras.Model)
     arrays = {}
     for m in (reference, model):
+        split_probe.clear()  # The DataParallel copy's records are kept.
         arrays[m] = (_aligned(x), _aligned(y))
         data = _batches(*arrays[m])
         data = _Batches(data) if source == "pydataset" else data
@@ -404,6 +393,7 @@ def test_python_batches_are_not_overwritten(source, door):
             verbose=0,
             callbacks=callbacks if m is model else [],
         )
+    split_probe.assert_divided(split_probe.records(), 64, 2)
     got_x, got_y = arrays[model]
     np.testing.assert_array_equal(got_x, x)
     np.testing.assert_array_equal(got_y, y)

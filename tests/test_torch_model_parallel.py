@@ -13,6 +13,7 @@ import os
 import keras
 import numpy as np
 import pytest
+import split_probe
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="torch executor tests"
@@ -225,6 +226,9 @@ def test_a_mesh_written_as_for_jax_trains_as_one_device(four_ranks, single):
         assert "error" not in result, result.get("error")
         # What Keras 3.16's torch backend lists under a group of 4 processes.
         assert result["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+        # Each batch split over the data axis (2); the last (43 rows, odd)
+        # is computed whole, as docs/torch.md says.
+        split_probe.assert_divided(result["split"], 64, 2, uneven_whole=True)
         for a, b in zip(result["weights"], ranks[0]["weights"], strict=True):
             np.testing.assert_array_equal(a, b)
         assert result["evaluation"] == pytest.approx(reference["evaluation"], rel=1e-5)

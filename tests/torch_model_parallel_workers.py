@@ -476,7 +476,8 @@ def jax_written(n=1003):
     `mlp_epoch_2x2` case, so one device's weights are the same reference.
 
     Returns:
-        `{"devices", "weights", "loss", "evaluation", "predictions"}`, or
+        `{"split", "devices", "weights", "loss", "evaluation",
+        "predictions"}` (`split`: the probe's records of `fit`), or
         `{"error": traceback}` where the script failed (every rank fails
         alike, before any collective).
     """
@@ -489,7 +490,12 @@ def jax_written(n=1003):
         layout_map = keras.distribution.LayoutMap(mesh)
         mlp_layouts(layout_map)
         x, y = data("mlp", n)
-        model = build("mlp", True)
+        # `mlp` with a probe after the Input (no variables: the same weights)
+        # recording the rows of each step's batch this rank held.
+        import split_probe
+        from builders import dense_model
+
+        model = dense_model(_model_class(True), probe=True)
         model.compile(
             optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
             loss="mse",
@@ -497,10 +503,13 @@ def jax_written(n=1003):
                 layout_map=layout_map, batch_dim_name="data"
             ),
         )
+        split_probe.clear()
         history = model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        split = split_probe.records()
     except Exception:
         return {"error": traceback.format_exc()}
     return {
+        "split": split,
         "devices": list(devices),
         "weights": [np.asarray(w) for w in model.get_weights()],
         "loss": [float(v) for v in history.history["loss"]],
