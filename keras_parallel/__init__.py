@@ -4,12 +4,15 @@ Public API:
 
 - `DistributedModel`: mixin; `compile(..., distribution=...)`.
 - `ShardingCallback`: the same for a model you cannot subclass.
-- `DataParallel`: `keras.distribution.DataParallel` over all local devices.
+- `DataParallel`: `keras.distribution.DataParallel` over all local devices,
+  with `shard=` ("full": FSDP, "optimizer": optimizer-state sharding).
+- `ModelParallel`: `keras.distribution.ModelParallel`, with `shard=`.
 - `describe`: the sharding plan as a text table.
 - `restore_checkpoint`: a `keras.callbacks.OrbaxCheckpoint` read back shard
   by shard into the model's layout (JAX).
 - `launch`: run a function in N processes (torch), rank-ordered results.
 - `ShardingError`: the error bad layouts raise (a `ValueError`).
+- `ShardingWarning`: a large variable `shard=` must leave whole.
 - `split_cpu`: TensorFlow: split the CPU into N logical devices.
 
 The names are imported on first use, so `import keras_parallel` (and the
@@ -27,9 +30,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DataParallel": "keras_parallel.distribution",
     "DistributedModel": "keras_parallel.model",
+    "ModelParallel": "keras_parallel.distribution",
     "launch": "keras_parallel.launcher",
     "ShardingCallback": "keras_parallel.callback",
     "ShardingError": "keras_parallel.errors",
+    "ShardingWarning": "keras_parallel.errors",
     "UnmatchedLayoutKeyWarning": "keras_parallel.errors",
     "describe": "keras_parallel.report",
     "restore_checkpoint": "keras_parallel.persistence.checkpoints",

@@ -24,3 +24,7 @@ class UnsupportedKerasError(ImportError):
     version found, the internal it lacks and the supported range; see
     `keras_parallel.keras_compat`.
     """
+
+
+class ShardingWarning(UserWarning):
+    """A variable that `shard=` leaves whole although it is large."""

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from keras_parallel import layout_keys
+from keras_parallel import layout_keys, sharding
 from keras_parallel.errors import ShardingError
 
 
@@ -73,6 +73,8 @@ class ShardingPlan:
         outputs: one `OutputLayout` per constrained layer output.
         output_keys: the `LayoutMap` output keys with their axes, used to
             resolve an output path met only at call time.
+        shard: what is split over the batch axis besides the batch: `None`,
+            `"full"` or `"optimizer"` (`keras_parallel.sharding`).
     """
 
     mesh_shape: tuple
@@ -82,6 +84,7 @@ class ShardingPlan:
     variables: tuple
     outputs: tuple
     output_keys: tuple = ()
+    shard: str = None
 
     @property
     def num_devices(self):
@@ -183,6 +186,21 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
             "`batch_dim_name`."
         )
     sizes = dict(zip(axis_names, mesh_shape, strict=True))
+    shard, shard_min_size = sharding.shard_of(distribution)
+
+    def sharded(variable, axes, key):
+        # `shard=`: the batch axis added to a large floating variable.
+        if shard is None or not sharding.is_floating(_dtype_name(variable)):
+            return axes, key
+        axes, added = sharding.with_batch_axis(
+            variable.path,
+            variable.shape,
+            axes,
+            batch_axis,
+            sizes[batch_axis],
+            shard_min_size,
+        )
+        return axes, (_sharded_key(key) if added else key)
 
     model_vars, optimizer_vars, metric_vars = _variables_by_kind(model)
     layout_map = _layout_map_of(distribution)
@@ -206,6 +224,8 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         )
         if key in dict(variable_keys):
             used_keys.add(key)
+        if shard == "full":
+            axes, key = sharded(variable, axes, key)
         chosen[variable.path] = axes
         entries.append(_entry(variable, "model", axes, key, sizes))
     references = {v.path.replace("/", "_"): v for v in model_vars if v.trainable}
@@ -215,6 +235,8 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
             axes, key = (None,) * len(variable.shape), "(replicated)"
         else:
             axes, key = chosen[reference.path], f"(follows {reference.path})"
+            if shard == "optimizer":
+                axes, key = sharded(variable, axes, key)
         entries.append(_entry(variable, "optimizer", axes, key, sizes))
     for variable in metric_vars:
         axes = (None,) * len(variable.shape)
@@ -235,6 +257,7 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         variables=tuple(entries),
         outputs=tuple(outputs),
         output_keys=tuple(output_keys),
+        shard=shard,
     )
 
 
@@ -299,9 +322,23 @@ def _variables_by_kind(model):
     return model_vars, optimizer_vars, metric_vars
 
 
+def _sharded_key(key):
+    # The `From` column of `describe()`: where the layout came from, and
+    # that `shard=` added the batch axis to it.
+    if key == "(replicated)":
+        return "(sharded)"
+    if key.startswith("(") and key.endswith(")"):
+        return key[:-1] + ", sharded)"
+    return f"{key} (+ sharded)"
+
+
+def _dtype_name(variable):
+    return str(getattr(variable.dtype, "name", variable.dtype))
+
+
 def _entry(variable, kind, axes, key, sizes):
     shape = tuple(int(s) for s in variable.shape)
-    dtype = str(getattr(variable.dtype, "name", variable.dtype))
+    dtype = _dtype_name(variable)
     shards = 1
     for index, (dim, axis) in enumerate(zip(shape, axes, strict=True)):
         if axis is None:

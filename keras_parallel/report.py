@@ -2,6 +2,8 @@
 
 import os
 
+from keras_parallel import sharding
+
 
 def describe(model, distribution=None):
     """The sharding plan of a model, as a text table.
@@ -166,6 +168,9 @@ def format_plan(plan, model_name="model", executor=None):
         f"Mesh: {mesh} ({devices}: {', '.join(plan.devices)})",
         f"Batch: {batch}",
     ]
+    shard = sharding.describe_shard(plan.shard)
+    if shard is not None:
+        lines.append(shard)
     if owners is not None:
         held = {}
         for device, process in zip(plan.devices, owners, strict=True):

@@ -27,6 +27,34 @@ def dense_model(model_class, batchnorm=False, name="net", seed=1, probe=False):
     return model_class(inputs=inputs, outputs=outputs, name=name)
 
 
+def wide_mlp(model_class, name="mlp", seed=1, probe=False):
+    """The sharding tests' MLP: d1 (256->512, relu), d2 (512->16).
+
+    Both kernels are large enough to shard (131072 and 8192 elements, above
+    `shard_min_size`'s 4096); the biases (512, 16) stay whole.
+    """
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((256,))
+    x = inputs
+    if probe:
+        import split_probe
+
+        x = split_probe.probe()(x)
+    x = keras.layers.Dense(512, activation="relu", name="d1")(x)
+    outputs = keras.layers.Dense(16, name="d2")(x)
+    return model_class(inputs=inputs, outputs=outputs, name=name)
+
+
+def wide_data(n=512, seed=0):
+    """Inputs and targets for `wide_mlp`."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 256)).astype("float32")
+    y = rng.normal(size=(n, 16)).astype("float32")
+    return x, y
+
+
 def regression_data(n=1003, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 16)).astype("float32")

@@ -11,8 +11,10 @@ import keras_parallel
 PUBLIC = [
     "DataParallel",
     "DistributedModel",
+    "ModelParallel",
     "ShardingCallback",
     "ShardingError",
+    "ShardingWarning",
     "UnmatchedLayoutKeyWarning",
     "describe",
     "launch",

@@ -105,6 +105,23 @@ def test_model_parallel_is_refused_naming_the_backends_that_have_it():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("shard", ["full", "optimizer"])
+def test_shard_is_refused_naming_the_backends_that_have_it(shard):
+    distribution = keras_parallel.DataParallel(
+        devices=tf_devices.devices(2), shard=shard
+    )
+    model = _model()
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ShardingError, match="runs on the JAX and torch") as info:
+        _compile(model, distribution)
+    assert f"Received: shard={shard!r}" in str(info.value)
+    with pytest.raises(ShardingError, match="runs on the JAX and torch"):
+        keras_parallel.ShardingCallback(distribution)
+    assert model.distribution is None
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("num_devices", [2, 4])
 def test_variables_are_mirrored_over_the_mesh(num_devices):
     x, y = _data()

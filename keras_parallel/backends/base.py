@@ -110,6 +110,25 @@ class Executor(abc.ABC):
         """
         return "run where this backend sees several devices"
 
+    @classmethod
+    def creation_scope(cls, distribution):
+        """What must be in force while variables are made in `scope()`.
+
+        `distribution.scope()` of keras_parallel's `DataParallel` and
+        `ModelParallel` enters it, after Keras's own scope: a backend whose
+        Keras variables do not take their layout from the distribution as
+        they are made (torch) places each one here, so that a model built
+        in the scope is never whole on a device. The default: nothing (JAX
+        asks `distribution.get_variable_layout` itself).
+
+        Args:
+            distribution: the distribution whose scope is entered.
+
+        Returns:
+            A context manager.
+        """
+        return contextlib.nullcontext()
+
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
         """Refuses a distribution this backend cannot run.

@@ -118,6 +118,16 @@ class TensorFlowExecutor(Executor):
                 "'tensorflow'; use keras_parallel.DataParallel(), or set "
                 "KERAS_BACKEND=jax (or torch) to shard variables."
             )
+        shard = getattr(distribution, "shard", None)
+        if shard is not None:
+            raise ShardingError(
+                "`shard=` (variables or optimizer state split over the "
+                "devices) runs on the JAX and torch backends; TensorFlow's "
+                "tf.distribute keeps whole variables on every device. "
+                f"Received: shard={shard!r} with KERAS_BACKEND='tensorflow'; "
+                "use keras_parallel.DataParallel() (shard=None) here, or set "
+                "KERAS_BACKEND=jax (or torch) to shard."
+            )
         axes = tuple(distribution.device_mesh.axis_names)
         if len(axes) != 1:
             raise ShardingError(
