@@ -252,3 +252,219 @@ def test_model_parallel_with_full_shards_over_both_axes():
     assert tuple(kernel.addressable_shards[0].data.shape) == (64, 256)
     d2 = model.get_layer("d2").kernel.value
     assert tuple(d2.addressable_shards[0].data.shape) == (128, 16)
+
+
+def deep_mlp(model_class):
+    """Four 512x512 kernels (1 MiB each): whole, 4 MiB; Adam adds 8 MiB."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((512,))
+    x = inputs
+    for index in range(4):
+        x = keras.layers.Dense(512, activation="relu", name=f"h{index}")(x)
+    return model_class(inputs, keras.layers.Dense(8, name="out")(x), name="deep")
+
+
+def device_bytes(device):
+    """The bytes of the live buffers on `device`.
+
+    Counted once per buffer: an array's shard (`shard.data`) is a live
+    array too, on the same buffer.
+    """
+    buffers = {}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                data = shard.data
+                buffers[data.unsafe_buffer_pointer()] = data.nbytes
+    return sum(buffers.values())
+
+
+def built_and_compiled(monkeypatch, in_scope):
+    """Builds and compiles `deep_mlp` under shard="full", measuring device 0.
+
+    Returns:
+        `(model, peak)`: the peak bytes device 0 held above what it held
+        before, sampled before and after every value a variable takes
+        (while it is made, moved and placed).
+    """
+    device = jax.devices()[0]
+    base = device_bytes(device)
+    samples = []
+    assign = keras.Variable._direct_assign
+
+    def sampled(variable, value):
+        samples.append(device_bytes(device) - base)
+        assign(variable, value)
+        samples.append(device_bytes(device) - base)
+
+    monkeypatch.setattr(keras.Variable, "_direct_assign", sampled)
+    distribution = keras_parallel.DataParallel(shard="full")
+    if in_scope:
+        with distribution.scope():
+            model = deep_mlp(Net)
+    else:
+        model = deep_mlp(Net)
+    model.compile(optimizer="adam", loss="mse", distribution=distribution)
+    model.optimizer.build(model.trainable_variables)
+    samples.append(device_bytes(device) - base)
+    monkeypatch.undo()
+    return model, max(samples)
+
+
+def test_built_in_scope_device_holds_its_shards_and_one_variable(monkeypatch):
+    model, peak = built_and_compiled(monkeypatch, in_scope=True)
+    binding = model._kp_binding
+    binding.prepare(model)  # The plan with the optimizer's slots.
+    plan = binding.plan
+    largest = max(v.bytes_total for v in plan.variables)
+    bound = plan.bytes_per_device() + largest
+    assert peak <= bound, (peak, bound)
+    # The same model built whole first holds all of it on device 0.
+    _, whole_peak = built_and_compiled(monkeypatch, in_scope=False)
+    assert whole_peak > bound, (whole_peak, bound)
+    # Built sharded, it holds one device's weights: the same as one device
+    # built from the same seed.
+    expected = weights_of(deep_mlp(keras.Model))
+    assert max_relative_difference(expected, weights_of(model)) == 0
+
+
+def test_load_weights_into_a_model_built_sharded(tmp_path, monkeypatch):
+    source = deep_mlp(keras.Model)
+    source.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 512)).astype("float32")
+    source.fit(x, np.zeros((64, 8), "float32"), batch_size=64, verbose=0)
+    path = str(tmp_path / "deep.weights.h5")
+    source.save_weights(path)
+    model, _ = built_and_compiled(monkeypatch, in_scope=True)
+    device = jax.devices()[0]
+    base = device_bytes(device)
+    model.load_weights(path)
+    assert device_bytes(device) - base <= 0  # Into the shards in place.
+    assert max_relative_difference(weights_of(source), weights_of(model)) == 0
+    kernel = model.get_layer("h1").kernel.value
+    assert tuple(kernel.addressable_shards[0].data.shape) == (64, 512)
+
+
+def model_parallel_full():
+    mesh = keras.distribution.DeviceMesh((4, 2), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    return keras_parallel.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch", shard="full"
+    )
+
+
+@pytest.mark.parametrize(
+    "name,distribution",
+    [
+        ("data_parallel", lambda: keras_parallel.DataParallel()),
+        ("full", lambda: keras_parallel.DataParallel(shard="full")),
+        ("optimizer", lambda: keras_parallel.DataParallel(shard="optimizer")),
+        ("model_parallel", lambda: model_parallel_full()),
+    ],
+)
+def test_gradient_accumulation_equals_one_device(name, distribution):
+    def adam():
+        return keras.optimizers.Adam(1e-3, gradient_accumulation_steps=3)
+
+    # 6 steps: two updates, each from three accumulated batches.
+    expected = weights_of(one_device(6, optimizer=adam()))
+    model = wide_mlp(Net, probe=True)
+    train(model, 6, distribution(), optimizer=adam())
+    assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    assert int(np.asarray(model.optimizer.iterations)) == 2  # Updates.
+    records = split_probe.records()
+    assert records and all(g == 64 and d <= 16 for g, d in records), records
+    accumulators = [
+        v for v in model.optimizer.variables if "accumulator" in v.path and v.shape
+    ]
+    assert accumulators
+    if name in ("full", "model_parallel"):
+        # The accumulators follow their variable: split too.
+        kernel = [v for v in accumulators if v.shape == (256, 512)][0]
+        shard = kernel.value.addressable_shards[0].data
+        assert shard.size * 8 == kernel.value.size
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises at `(epoch, batch)`: a run stopped half way."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+def state_of(model):
+    """`{path: value}` of the weights and the optimizer's state."""
+    out = {v.path: np.asarray(v.value) for v in model.weights}
+    for v in model.optimizer.variables:
+        out["optimizer/" + v.path.split("/", 1)[1]] = np.asarray(v.value)
+    return out
+
+
+def test_sharded_model_checkpoints_resume_exactly_and_restore_elsewhere(tmp_path):
+    pytest.importorskip("orbax.checkpoint", reason="needs keras-parallel[orbax]")
+    x, y = wide_data(512)
+
+    def fit(model, callbacks=()):
+        model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=list(callbacks))
+
+    def sharded(devices=None):
+        model = wide_mlp(Net, seed=1)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss="mse",
+            distribution=keras_parallel.DataParallel(devices=devices, shard="full"),
+        )
+        return model
+
+    uninterrupted = sharded()
+    fit(uninterrupted)
+    expected = state_of(uninterrupted)
+
+    backup = str(tmp_path / "backup")
+    weights_file = str(tmp_path / "epoch.weights.h5")
+    orbax = str(tmp_path / "orbax")
+
+    def callbacks():
+        return [
+            keras.callbacks.BackupAndRestore(backup),
+            keras.callbacks.ModelCheckpoint(weights_file, save_weights_only=True),
+            keras.callbacks.OrbaxCheckpoint(orbax, save_freq="epoch"),
+        ]
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(sharded(), callbacks() + [Interrupt(1, 4)])
+    resumed = sharded()
+    fit(resumed, callbacks())
+    got = state_of(resumed)
+    assert sorted(got) == sorted(expected)
+    for path, value in expected.items():
+        np.testing.assert_allclose(got[path], value, rtol=1e-6, atol=1e-7)
+    kernel = resumed.get_layer("d1").kernel.value
+    assert kernel.addressable_shards[0].data.size * 8 == kernel.size
+
+    # The epoch's weights file, whole: one device loads it.
+    one_device = wide_mlp(keras.Model, seed=5)
+    one_device.load_weights(weights_file)
+    for a, b in zip(one_device.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # The Orbax checkpoint, onto 4 devices: each holds a quarter.
+    four = sharded(devices=jax.devices()[:4])
+    keras_parallel.restore_checkpoint(four, orbax)
+    restored = state_of(four)
+    for path, value in got.items():
+        np.testing.assert_array_equal(restored[path], value)
+    for variable in (four.get_layer("d1").kernel, slots_of(four, "d1/kernel")[0]):
+        value = variable.value
+        assert len(value.sharding.device_set) == 4
+        assert value.addressable_shards[0].data.size * 4 == value.size
