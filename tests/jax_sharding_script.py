@@ -1,0 +1,64 @@
+"""The script the multi-process `shard=` tests launch, one per process.
+
+`python jax_sharding_script.py OUT MODE` trains `builders.wide_mlp` with
+Adam under `keras_parallel.DataParallel(shard=MODE)` over every device of
+every process (2 processes x 4 devices), 1 step and then 9 more, and
+writes, per process: the whole weights after each (gathered), the rows of
+a global batch its devices hold, and the shapes of the shards it holds of
+each large kernel and of its Adam slots. Each process builds its model
+from another seed: only process 0's initial weights may count.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+from builders import wide_data, wide_mlp
+
+import keras_parallel
+
+
+class Net(keras_parallel.DistributedModel, keras.Model):
+    pass
+
+
+def main(out, mode):
+    import jax
+
+    from keras_parallel.backends.jax.batches import distribute_batch
+
+    process = jax.process_index()
+    model = wide_mlp(Net, seed=1 + process)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss="mse",
+        distribution=keras_parallel.DataParallel(shard=mode),
+    )
+    x, y = wide_data(640)
+    weights = {}
+    for steps, rows in ((1, slice(0, 64)), (10, slice(64, 640))):
+        model.fit(x[rows], y[rows], batch_size=64, shuffle=False, verbose=0)
+        weights[f"step{steps}"] = model.get_weights()  # Whole, every process.
+    for name, values in weights.items():
+        np.savez(os.path.join(out, f"{name}_{process}.npz"), *values)
+    layout = model._kp_binding.executor._planned.get_data_layout((64, 256))
+    batch = distribute_batch(x[:64], layout.backend_layout, "batch", previous=None)
+    rows = sorted({i for s in batch.addressable_shards for i in range(64)[s.index[0]]})
+    held = {}
+    for variable in model.weights + model.optimizer.variables:
+        if variable.path.startswith(("d1/kernel", "d2/kernel")) or "kernel_" in (
+            variable.path
+        ):
+            value = variable.value
+            held[variable.path] = [
+                [list(s.data.shape) for s in value.addressable_shards],
+                list(value.shape),
+            ]
+    with open(os.path.join(out, f"info{process}.json"), "w") as f:
+        json.dump({"rows": rows, "held": held}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
