@@ -512,3 +512,17 @@ def test_two_processes_of_four_devices_train_as_one_device(tmp_path, mode):
             ways = 1 if kernel_whole else 8
             for shard in shards:
                 assert int(np.prod(shard)) * ways == int(np.prod(whole)), path
+
+
+def test_callback_door_shards_a_plain_model():
+    x, y = wide_data(640)
+    expected = weights_of(one_device(10, x=(x, y)))
+    model = wide_mlp(keras.Model, probe=True)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    callback = keras_parallel.ShardingCallback(
+        keras_parallel.DataParallel(shard="full")
+    )
+    model.fit(x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[callback])
+    assert max_relative_difference(expected, weights_of(model)) < 1e-4
+    split_probe.assert_divided(split_probe.records(), 64, 8)
+    assert "shard='full'" in keras_parallel.describe(model)
