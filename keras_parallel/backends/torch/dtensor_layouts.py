@@ -24,7 +24,6 @@ replicated where they do.
 """
 
 import contextlib
-import functools
 
 import numpy as np
 import torch
@@ -60,14 +59,27 @@ def torch_mesh(device_mesh, device_type):
     """
     if keras_dtensor is not None:
         return device_mesh.backend_mesh  # Keras's own, cached on the mesh.
+    # Cached on the Keras mesh, as Keras 3.16 caches `backend_mesh`: the
+    # variables a model made inside `distribution.scope()` placed
+    # (`creation`) and those `MeshRunner.apply` places later must share one
+    # torch mesh, or DTensor refuses to compute with both.
+    cached = getattr(device_mesh, _CACHED_MESH, None)
+    if cached is not None and cached.device_type == device_type:
+        return cached
     ranks = [
         int(str(d).rsplit(":", 1)[-1]) for d in np.asarray(device_mesh.devices).flat
     ]
-    return DeviceMesh(
+    mesh = DeviceMesh(
         device_type,
         torch.tensor(ranks, dtype=torch.int64).reshape(tuple(device_mesh.shape)),
         mesh_dim_names=tuple(device_mesh.axis_names),
     )
+    setattr(device_mesh, _CACHED_MESH, mesh)
+    return mesh
+
+
+#: The attribute of a Keras `DeviceMesh` that holds its torch mesh (Keras 3.15).
+_CACHED_MESH = "_kp_torch_mesh"
 
 
 def placements(axes, axis_names):
@@ -103,22 +115,34 @@ def is_placed(entry, variable):
     return entry.kind == "model" or entry.key.startswith("(follows")
 
 
-def place(variable, axes, keras_mesh, mesh):
+def place(variable, axes, keras_mesh, mesh, gradient_axes=None):
     """Makes `variable` hold a DTensor laid out along `axes` (a collective).
 
     Rank 0's value is scattered (or broadcast) to the other ranks, as DDP
-    broadcasts rank 0's weights: every rank may have built its own.
+    broadcasts rank 0's weights: every rank may have built its own. A
+    variable already placed so (made inside `distribution.scope()`,
+    `creation`) keeps its value; only its gradient's placements may change.
 
     Args:
         variable: a floating `keras.Variable`.
         axes: its layout, one mesh axis name (or `None`) per dimension.
         keras_mesh: the Keras `DeviceMesh`.
         mesh: its torch `DeviceMesh` (`torch_mesh`).
+        gradient_axes: the layout its gradient takes as soon as the backward
+            pass computed it; defaults to `axes`. `shard="optimizer"` gives
+            a whole variable's gradient its optimizer slots' layout, so
+            that it is reduce-scattered rather than all-reduced (ZeRO-2).
     """
     wanted = placements(axes, mesh.mesh_dim_names)
+    gradient = placements(
+        axes if gradient_axes is None else gradient_axes, mesh.mesh_dim_names
+    )
     value = variable._value.detach()
     if is_dtensor(value):
         if tuple(value.placements) == wanted:
+            hook = getattr(variable._value, _GRADIENT_HOOK, None)
+            if hook is not None:
+                hook.placements = gradient
             return
         placed = value.redistribute(mesh, wanted)
     elif keras_dtensor is not None:
@@ -138,21 +162,60 @@ def place(variable, axes, keras_mesh, mesh):
         variable._layout = TensorLayout(axes, keras_mesh)
     parameter = torch.nn.Parameter(placed, requires_grad=variable.trainable)
     if variable.trainable:
-        # Each gradient takes its variable's placements as soon as it is
-        # computed (its sums over the batch axis all-reduced): a process
-        # then keeps only its shard of it, not a whole gradient that torch
-        # may compute for a split variable.
-        parameter.register_hook(
-            functools.partial(placed_gradient, mesh=mesh, placements=wanted)
-        )
+        # Each gradient takes its placements as soon as it is computed (its
+        # sums over the batch axis reduced): a process then keeps only its
+        # shard of it, not a whole gradient that torch may compute for a
+        # split variable.
+        hook = GradientPlacement(mesh, gradient)
+        parameter.register_hook(hook)
+        setattr(parameter, _GRADIENT_HOOK, hook)
     variable._value = parameter
 
 
-def placed_gradient(grad, mesh, placements):
-    """A variable's gradient, redistributed to the variable's placements.
+#: The attribute of a placed variable's parameter holding its
+#: `GradientPlacement` hook (which a later `place` may re-aim).
+_GRADIENT_HOOK = "_kp_gradient_placement"
 
-    Registered on every trainable DTensor variable by `place`: it runs as
-    soon as the backward pass has computed the gradient.
+
+class GradientPlacement:
+    """The gradient hook `place` registers: `placed_gradient` to `placements`.
+
+    An object rather than a closure so that a later `place` (the plan made
+    again once the optimizer's slots exist) can change where the gradient
+    goes without registering a second hook.
+
+    Args:
+        mesh: the torch `DeviceMesh`.
+        placements: the gradient's placements, one per mesh axis.
+    """
+
+    def __init__(self, mesh, placements):
+        self.mesh = mesh
+        self.placements = placements
+
+    def __call__(self, grad):
+        return placed_gradient(grad, self.mesh, self.placements)
+
+
+def gradient_placements(variable):
+    """The placements `variable`'s gradient takes (`place`), or `None`.
+
+    Args:
+        variable: a `keras.Variable`.
+
+    Returns:
+        A tuple of placements for a placed trainable variable, else `None`.
+    """
+    hook = getattr(getattr(variable, "_value", None), _GRADIENT_HOOK, None)
+    return None if hook is None else hook.placements
+
+
+def placed_gradient(grad, mesh, placements):
+    """A variable's gradient, redistributed to the given placements.
+
+    Called by every trainable DTensor variable's `GradientPlacement` hook
+    (`place`): it runs as soon as the backward pass has computed the
+    gradient.
     """
     if not is_dtensor(grad) or tuple(grad.placements) == placements:
         return grad

@@ -21,9 +21,12 @@ In a single process with no process group (no `torchrun`), `DataParallel()`
 spans one device and `fit` is plain Keras, after one info line (printed by
 the binding on every backend: `report.one_device_hint`).
 
-A `ModelParallel` whose mesh splits more than the batch is handed to
+A `ModelParallel` whose mesh splits more than the batch, and any
+distribution with `shard=` (`model_parallel.runs_on_mesh`), is handed to
 `model_parallel.MeshRunner` (DTensor variables on a torch `DeviceMesh`);
-one that splits only the batch (`(4, 1)`) runs as DataParallel on DDP.
+one that splits only the batch (`(4, 1)`) runs as DataParallel on DDP. A
+model built inside such a distribution's `scope()` is placed variable by
+variable as it is made (`creation_scope`).
 """
 
 import contextlib
@@ -36,7 +39,8 @@ from keras.distribution import DataParallel
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
-from keras_parallel.backends.torch.model_parallel import MeshRunner, splits_model
+from keras_parallel.backends.torch.creation import placed_creation
+from keras_parallel.backends.torch.model_parallel import MeshRunner, runs_on_mesh
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import DDPModule, RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
@@ -107,6 +111,26 @@ class TorchExecutor(Executor):
             "script.py` or `torchrun --nproc-per-node 2 script.py`"
         )
 
+    @classmethod
+    def creation_scope(cls, distribution):
+        """Places each variable made in `distribution.scope()` at once.
+
+        For a distribution that runs on DTensors (`shard=`, or a mesh that
+        splits a variable): every floating variable its layout splits is
+        placed as soon as it is made, rank 0's value scattered, so that no
+        process holds more than its shards and the variable being made
+        (`creation.placed_creation`). Otherwise (DDP): nothing.
+
+        Args:
+            distribution: the distribution whose scope is entered.
+
+        Returns:
+            A context manager.
+        """
+        if not runs_on_mesh(distribution):
+            return contextlib.nullcontext()
+        return placed_creation(distribution)
+
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
         from keras.distribution import DataParallel, ModelParallel
@@ -121,8 +145,10 @@ class TorchExecutor(Executor):
                 "ModelParallel(layout_map=..., batch_dim_name=...)."
             )
         # A mesh that splits nothing but the batch is data parallelism: DDP.
+        # `shard=` splits variables or optimizer state over the batch axis:
+        # DTensors, on any mesh (`model_parallel.runs_on_mesh`).
         self._mesh_runner = None
-        if not data_parallel and splits_model(distribution):
+        if runs_on_mesh(distribution):
             self._mesh_runner = MeshRunner(self)
         mesh_size = int(np.prod(distribution.device_mesh.shape))
         if mesh_size == self.num_processes:

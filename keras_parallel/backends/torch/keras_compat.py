@@ -90,12 +90,31 @@ StatelessScope = internal(
     "keras.src.backend.common.stateless_scope", "StatelessScope"
 ).StatelessScope
 
+#: Keras's torch `Variable`: its `_initialize` (which stores the value a
+#: new variable was made with) is replaced inside `distribution.scope()` so
+#: that the variable is placed as a DTensor as soon as it exists
+#: (`creation.py`).
+TorchVariable = internal(
+    "keras.src.backend.torch.core", "Variable._initialize"
+).Variable
+
+#: Keras's optimizer with gradient accumulation: its `_iterations` counts
+#: the micro-steps (its public `iterations` counts the updates), and its
+#: `_accumulated_gradients` hold each variable's gradients summed since the
+#: last update (`accumulation.py`).
+BaseOptimizer = internal(
+    "keras.src.optimizers.base_optimizer",
+    "BaseOptimizer._backend_apply_gradients",
+).BaseOptimizer
+
 #: Attributes of Keras objects the torch backend reads or sets.
 OBJECT_ATTRIBUTES = {
     # ModelParallel (`dtensor_layouts`): a variable's value is replaced by a
     # DTensor parameter; `_layout` tells Keras 3.16's `_direct_assign` how
-    # to redistribute assigned values.
-    "keras.Variable": ("_value", "_layout"),
+    # to redistribute assigned values. A variable made from a value has no
+    # `_shape` until `_initialize` returns: `creation.py` sets it from the
+    # value, for the distribution's layout.
+    "keras.Variable": ("_value", "_layout", "_shape"),
     # The axes BatchNormalization's batch statistics reduce (`sync_bn`).
     "keras.layers.BatchNormalization": ("_reduction_axes",),
     # Model._flatten_layers walks nested layers (sync BN, ModelParallel);
@@ -107,6 +126,11 @@ OBJECT_ATTRIBUTES = {
     # under ModelParallel made whole and plain after the forward pass
     # (`mesh_steps`).
     "keras.layers.Layer": ("_losses",),
+    # Gradient accumulation under DDP (`accumulation.py`): the micro-step
+    # counter; the accumulators (`_accumulated_gradients`, which exist only
+    # when `gradient_accumulation_steps` is set) are all-reduced once per
+    # update.
+    "keras.optimizers.Optimizer": ("_iterations", "gradient_accumulation_steps"),
 }
 
 #: What the torch backend replaces while an entry point runs, through
@@ -176,8 +200,17 @@ REPLACED = (
     Target(
         "keras.src.optimizers.optimizer.Optimizer",
         "apply",
-        "gradients redistributed to their variables' placements (`mesh_steps.py`)",
+        "gradients redistributed to their variables' placements (`mesh_steps.py`); "
+        "with gradient accumulation under DDP, the accumulators all-reduced "
+        "once before an update (`accumulation.py`)",
         on_instances=True,
+    ),
+    Target(
+        "keras.src.backend.torch.core.Variable",
+        "_initialize",
+        "inside `distribution.scope()`, each new variable placed as a DTensor "
+        "in its layout as soon as it is made, its whole value freed "
+        "(`creation.py`)",
     ),
     Target(
         "keras.src.layers.layer.Layer",

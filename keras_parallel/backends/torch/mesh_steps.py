@@ -330,6 +330,10 @@ def _reduced(grad, variable):
     value = getattr(variable, "_value", None)
     if not (isinstance(grad, DTensor) and isinstance(value, DTensor)):
         return grad
-    if tuple(grad.placements) == tuple(value.placements):
+    # Where `place` sends the gradient: the variable's placements, or
+    # (`shard="optimizer"`) its optimizer slots', whose update then runs on
+    # shards and whose new value DTensor gathers into the whole variable.
+    wanted = dtensor_layouts.gradient_placements(variable) or value.placements
+    if tuple(grad.placements) == tuple(wanted):
         return grad
-    return grad.redistribute(value.device_mesh, value.placements)
+    return grad.redistribute(value.device_mesh, wanted)

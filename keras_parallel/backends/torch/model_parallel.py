@@ -1,8 +1,12 @@
 """`ModelParallel` on torch: the executor's hooks for a mesh of DTensors.
 
 The torch executor hands a `ModelParallel` whose mesh splits anything but
-the batch to a `MeshRunner` (DataParallel, and a mesh whose every other axis
-has size 1, keep DistributedDataParallel, which is faster):
+the batch, and any distribution with `shard=` ("full": variables, gradients
+and optimizer state as shards over the batch axis, ZeRO-3; "optimizer":
+whole variables, sharded optimizer state and gradients, ZeRO-2, see
+`gradient_axes`), to a `MeshRunner` (`runs_on_mesh`; DataParallel, and a
+mesh whose every other axis has size 1, keep DistributedDataParallel, which
+is faster). Why DTensors and not FSDP2: `creation`'s docstring.
 
 - `apply`: makes the torch `DeviceMesh` (once), places every variable the
   plan lays out as a DTensor (`dtensor_layouts`), re-registers the layers'
@@ -29,8 +33,32 @@ from keras_parallel.backends.torch.mesh_steps import MeshSteps
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.instance_methods import replace_methods
+from keras_parallel.layout_keys import reference_of
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
+
+
+def runs_on_mesh(distribution):
+    """Whether a distribution runs on DTensor variables (`MeshRunner`).
+
+    Args:
+        distribution: a `keras.distribution.Distribution`.
+
+    Returns:
+        True if its mesh splits a variable (`splits_model`) or it asks to
+        shard variables or optimizer state over a batch axis of more than
+        one device (`shard=`, `keras_parallel.sharding`), even on a 1-D
+        mesh: DDP keeps whole copies of both on every rank. One device
+        splits nothing: plain Keras, as without `shard`.
+    """
+    if getattr(distribution, "shard", None) is not None:
+        mesh = distribution.device_mesh
+        sizes = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+        if int(sizes.get(distribution.batch_dim_name, 1)) > 1:
+            return True
+    return getattr(distribution, "_layout_map", None) is not None and splits_model(
+        distribution
+    )
 
 
 def splits_model(distribution):
@@ -82,11 +110,22 @@ class MeshRunner:
         self.model = model
         mesh = self._torch_mesh()
         keras_mesh = self.executor.distribution.device_mesh
+        gradients = gradient_axes(model, plan)
         with dtensor_layouts.promotion():
             for variable, entry in iter_planned_variables(model, plan):
                 if dtensor_layouts.is_placed(entry, variable):
-                    dtensor_layouts.place(variable, entry.axes, keras_mesh, mesh)
+                    dtensor_layouts.place(
+                        variable,
+                        entry.axes,
+                        keras_mesh,
+                        mesh,
+                        gradient_axes=gradients.get(id(variable)),
+                    )
                     self._make_usable(variable)
+                else:
+                    # One the plan keeps plain (a metric's state) that was
+                    # made split inside `distribution.scope()` (`creation`).
+                    dtensor_layouts.unplace(variable)
         dtensor_layouts.retrack(model)
         if self.steps is None:
             self.steps = MeshSteps(model, mesh, plan, self.executor.process_index)
@@ -169,6 +208,44 @@ class MeshRunner:
     def close(self):
         """Drops the steps before the process group goes (at exit)."""
         self.release_steps()
+
+
+def gradient_axes(model, plan):
+    """The layout of each model variable's gradient where it is not its own.
+
+    Under `shard="optimizer"` a variable stays whole but its optimizer slots
+    are split over the batch axis. Its gradient then takes the slots'
+    layout: the sums over the batch are reduce-scattered, not all-reduced,
+    and each rank updates its shard of the slots from its shard of the
+    gradient; the update of the whole variable gathers the shards (DTensor
+    all-gathers the update of a replicated variable from a sharded one).
+    That is ZeRO-2: a whole gradient is never reduced, and each rank keeps
+    only its shard of it. Under any other plan a gradient takes its
+    variable's layout.
+
+    Args:
+        model: the model the plan was made for.
+        plan: its `ShardingPlan`.
+
+    Returns:
+        `{id(variable): axes}` for the variables whose gradient is laid out
+        otherwise than the variable.
+    """
+    if plan.shard != "optimizer":
+        return {}
+    planned = list(iter_planned_variables(model, plan))
+    axes_of = {id(v): e.axes for v, e in planned}
+    references = {v.path.replace("/", "_"): v for v, e in planned if e.kind == "model"}
+    gradients = {}
+    for variable, entry in planned:
+        if entry.kind != "optimizer":
+            continue
+        reference = reference_of(variable, references)
+        if reference is None or not reference.trainable:
+            continue
+        if entry.axes != axes_of[id(reference)]:
+            gradients.setdefault(id(reference), entry.axes)
+    return gradients
 
 
 def whole_numpy(variable):

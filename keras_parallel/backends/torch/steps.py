@@ -33,6 +33,9 @@ rewrite `fit`'s arguments, but both can reach the step):
   something else.
 - Predict: each rank predicts its rows, and the rows are gathered back into
   input order on every rank.
+- Gradient accumulation (`gradient_accumulation_steps`): DDP reduces only
+  the update step's gradients, and the accumulators once
+  (`accumulation.AccumulatedGradients`).
 """
 
 import contextlib
@@ -42,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.accumulation import AccumulatedGradients
 from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
 from keras_parallel.backends.torch.keras_compat import (
     TorchEpochIterator,
@@ -114,6 +118,8 @@ class RankSteps:
         self._whole = False
         self._step = 0
         self._random_stream = RankRandomStream(rank)
+        #: Gradient accumulation: no all-reduce on micro-steps (DDP only).
+        self.accumulation = AccumulatedGradients(model, world_size)
         #: Set by a train step: non-trainable variables (BatchNorm moving
         #: statistics) may differ across ranks until `sync_non_trainable`.
         self.dirty = False
@@ -145,6 +151,8 @@ class RankSteps:
             "__iter__",
             self._same_data.epoch_begins(TorchEpochIterator),
         )
+        if self.ddp is not None:
+            self.accumulation.install()
         self._step = 0
         # Until a run's callbacks say otherwise (train_on_batch has none,
         # and returns its logs to the user): global logs at every step.
@@ -155,6 +163,7 @@ class RankSteps:
         if not self._installed:
             return
         self._call_route.restore()
+        self.accumulation.uninstall()
         self._replacements.restore()
         self._installed = False
 
@@ -307,7 +316,10 @@ class RankSteps:
         # Keras's Layer.__call__ looks `call` up on the instance: this sends
         # the outermost forward through DDP, which runs the model's own call.
         if self.ddp is not None and torch.is_grad_enabled():
-            outputs = self.ddp(*args, **kwargs)
+            # A gradient-accumulation micro-step reduces nothing
+            # (`accumulation`).
+            with self.accumulation.forward_context(self.ddp):
+                outputs = self.ddp(*args, **kwargs)
         else:
             outputs = self._own_call(*args, **kwargs)
         scale = self._grad_scale

@@ -1,0 +1,88 @@
+"""Variables placed as they are made, inside `distribution.scope()` on torch.
+
+Keras's JAX variables ask the distribution for their layout when they are
+made; its torch variables (Keras 3.15) do not: each is made whole on every
+process, and `MeshRunner.apply` would split it only at `compile`. A model
+too large for one device must never be whole there, so while
+`distribution.scope()` is entered (`TorchExecutor.creation_scope`) every
+floating variable the distribution lays out along a mesh axis is placed
+(`dtensor_layouts.place`: rank 0's value scattered) as soon as its value
+exists, and its whole value freed: a process holds the shards made so far
+and, for a moment, the one variable being made. `compile(distribution=...)`
+then finds the variables already placed and keeps them (`place` returns
+early where the placements match).
+
+Why DTensors and not FSDP2's `fully_shard`: `fully_shard` swaps a torch
+module's registered parameters for DTensors and all-gathers them in
+forward hooks of that module. Keras's torch layers compute with
+`variable.value`, the `torch.nn.Parameter` each `KerasVariable` holds
+(`keras/src/backend/torch/core.py`, `Variable.value`), and register it in a
+`ParameterDict` only so that `model.parameters()` lists it
+(`keras/src/backend/torch/layer.py`, `TorchLayer._track_variables`):
+parameters `fully_shard` replaced would never be read by Keras's math,
+and its hooks would gather what nothing uses. Placing the variables' own
+values as DTensors makes Keras's unchanged ops the sharded computation.
+"""
+
+import contextlib
+
+import torch
+
+from keras_parallel.backends.torch import dtensor_layouts
+from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.keras_compat import TorchVariable
+from keras_parallel.replacements import replaced
+
+
+def split_axes(distribution, variable):
+    """The axes `distribution` lays `variable` out along, if it splits it.
+
+    Args:
+        distribution: the distribution whose scope is entered.
+        variable: a floating `keras.Variable` whose value was just made.
+
+    Returns:
+        One mesh axis name (or `None`) per dimension, or `None` where the
+        variable stays whole (its layout names no axis): `MeshRunner.apply`
+        places it at `compile`, as it does every variable made outside the
+        scope.
+    """
+    layout = distribution.get_variable_layout(variable)
+    axes = tuple(getattr(layout, "axes", None) or ())
+    if not any(axis is not None for axis in axes):
+        return None
+    return axes
+
+
+@contextlib.contextmanager
+def placed_creation(distribution):
+    """While in scope, a floating variable made whole is placed at once.
+
+    Every process must make the same variables in the same order (the same
+    script): placing one is a collective.
+
+    Args:
+        distribution: a distribution that runs on DTensors
+            (`model_parallel.runs_on_mesh`).
+    """
+    torch_group.ensure_process_group()
+    keras_mesh = distribution.device_mesh
+    mesh = dtensor_layouts.torch_mesh(keras_mesh, torch_group.device_type())
+    initialize = TorchVariable._initialize
+
+    def initialize_placed(variable, value):
+        initialize(variable, value)
+        if not torch.is_floating_point(variable._value):
+            return  # Seed-generator states stay plain, per process.
+        if variable._shape is None:
+            # Made from a value, not an initializer: Keras sets the shape
+            # from it right after `_initialize`; the layout reads it now.
+            variable._shape = tuple(variable._value.shape)
+        axes = split_axes(distribution, variable)
+        if axes is None:
+            return
+        with dtensor_layouts.promotion():
+            dtensor_layouts.place(variable, axes, keras_mesh, mesh)
+
+    with replaced({(TorchVariable, "_initialize"): initialize_placed}):
+        yield
