@@ -152,15 +152,19 @@ def test_ddp_gradient_accumulation_reduces_once_per_update(four_ranks, single):
         assert rank["ddp_accumulated"]["reduced_updates"] == 2
 
 
-def test_full_shard_gradient_accumulation_trains_as_one_device(four_ranks, single):
-    # Each micro-step's gradient is reduce-scattered into the sharded
-    # accumulator (docs: accumulation.py).
-    _same_on_every_rank(four_ranks, "full_accumulated")
-    result = four_ranks[0]["full_accumulated"]
+@pytest.mark.parametrize(
+    "name,ways", [("full", 4), ("optimizer", 4), ("model_parallel", 2)]
+)
+def test_gradient_accumulation_trains_as_one_device(four_ranks, single, name, ways):
+    # Each micro-step's gradient is reduced into the accumulator (under
+    # `shard=`, reduce-scattered into its shard; docs: accumulation.py).
+    key = f"{name}_accumulated"
+    _same_on_every_rank(four_ranks, key)
+    result = four_ranks[0][key]
     reference = single["accumulated"]["weights"][0]
     assert max_relative_difference(result["weights"][0], reference) <= 1e-4
     for rank in four_ranks:
-        split_probe.assert_divided(rank["full_accumulated"]["split"], 64, 4)
+        split_probe.assert_divided(rank[key]["split"], 64, ways)
 
 
 def test_model_built_in_scope_is_never_whole_on_a_process(four_ranks, deep_weights):

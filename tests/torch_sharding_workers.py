@@ -121,11 +121,27 @@ def _recorded_gradients(model, record):
         del optimizer._parallel_update_step
 
 
+def _model_parallel():
+    import keras
+
+    import keras_parallel
+
+    devices = keras_parallel.DataParallel().device_mesh.devices.ravel().tolist()
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
 def train(shard="full", steps=(1, 9), accumulate=None, distributed=True, builder=None):
     """Fits `wide_mlp` (with a probe) on consecutive batches, in parts.
 
     Args:
-        shard: `shard=` of `keras_parallel.DataParallel`, or `None` (DDP).
+        shard: `shard=` of `keras_parallel.DataParallel`, or `None` (DDP),
+            or `"model_parallel"`: a `(2, 2)` `ModelParallel` mesh, d1's
+            kernel split over `model`, nothing sharded over the batch.
         steps: the steps of each `fit`, one after the other on the next
             batches; the weights after each part are returned.
         accumulate: Adam's `gradient_accumulation_steps`.
@@ -145,14 +161,17 @@ def train(shard="full", steps=(1, 9), accumulate=None, distributed=True, builder
         x, y = wide_data(BATCH * sum(steps))
         model = (builder or wide_mlp)(_model_class(distributed), probe=True)
         kwargs = {}
-        if distributed:
+        if distributed and shard == "model_parallel":
+            kwargs["distribution"] = _model_parallel()
+        elif distributed:
             kwargs["distribution"] = keras_parallel.DataParallel(shard=shard)
         model.compile(optimizer=_adam(accumulate), loss="mse", **kwargs)
         model.optimizer.build(model.trainable_variables)
         out = {"weights": []}
         split_probe.clear()
         start = 0
-        with _recorded_gradients(model, distributed and shard) as gradients:
+        sharded = distributed and shard in ("full", "optimizer")
+        with _recorded_gradients(model, sharded) as gradients:
             for part in steps:
                 stop = start + part * BATCH
                 model.fit(
@@ -167,7 +186,7 @@ def train(shard="full", steps=(1, 9), accumulate=None, distributed=True, builder
                 out["weights"].append(_weights(model))
         out["split"] = split_probe.records()
         out["gradients"] = gradients
-        if distributed and shard:
+        if sharded:
             out["held"] = held(model)
         return out
     except Exception:
@@ -456,7 +475,8 @@ def four_ranks(folder, deep_weights):
     out = {}
     for shard in ("full", "optimizer"):
         out[shard] = train(shard)
-    out["full_accumulated"] = train("full", steps=(8,), accumulate=4)
+    for name in ("full", "optimizer", "model_parallel"):
+        out[f"{name}_accumulated"] = train(name, steps=(8,), accumulate=4)
     out["ddp_accumulated"] = ddp_accumulation()
     out["built_in_scope"] = built_in_scope(True, deep_weights)
     out["built_outside_scope"] = built_in_scope(False)
