@@ -30,22 +30,10 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
+from process_memory import reset_peak, status_kib  # noqa: E402
+
 WIDTHS = (2048, 8192, 8192, 2048)
 KINDS = ("ddp", "model_parallel")
-
-
-def _rss_kib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak():
-    # Linux: writing 5 resets the peak resident set (VmHWM) to the current.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _build(distributed, kind):
@@ -128,17 +116,17 @@ def worker(kind, steps, batch):
     # TensorFlow that Keras's data adapters import, the process group and
     # DDP's or DTensor's own state, all made by a tiny model trained first.
     _tiny_fit(kind, x, y)
-    before = _rss_kib("VmRSS")
+    before = status_kib("VmRSS")
     model = _build(True, kind)
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
-    _reset_peak()
+    reset_peak()
     times = []
     for step in range(1, steps + 1):
         rows = slice(step * batch, (step + 1) * batch)
         start = time.perf_counter()
         model.fit(x[rows], y[rows], batch_size=batch, epochs=1, verbose=0)
         times.append(time.perf_counter() - start)
-    peak = _rss_kib("VmHWM")
+    peak = status_kib("VmHWM")
     plan = model._kp_binding.plan
     return {
         "step_s": statistics.median(times),

@@ -32,22 +32,10 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
+from process_memory import reset_peak, status_kib  # noqa: E402
+
 WIDTHS = (2048, 8192, 8192, 2048)
 KINDS = ("ddp", "full", "optimizer")
-
-
-def _status_kib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak():
-    # Linux: writing 5 resets the peak resident set (VmHWM) to the current.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _distribution(kind):
@@ -95,14 +83,14 @@ def worker(kind, steps, batch, cap_mib):
     tiny.fit(x[:batch], y[:batch], batch_size=batch, verbose=0)
     del tiny
     gc.collect()
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     if cap_mib:
-        limit = (_status_kib("VmSize") + cap_mib * 1024) * 1024
+        limit = (status_kib("VmSize") + cap_mib * 1024) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         model = _model(kind, WIDTHS)
         model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
-        _reset_peak()
+        reset_peak()
         times = []
         for step in range(1, steps + 1):
             rows = slice(step * batch, (step + 1) * batch)
@@ -113,7 +101,7 @@ def worker(kind, steps, batch, cap_mib):
         if not cap_mib:
             raise
         return {"failed": f"{type(error).__name__}: {str(error)[:120]}"}
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     plan = model._kp_binding.plan
     return {
         "step_s": statistics.median(times),

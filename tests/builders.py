@@ -62,6 +62,30 @@ def regression_data(n=1003, seed=0):
     return x, y
 
 
+def interrupt_at(epoch, batch, error=None):
+    """A callback that raises at `(epoch, batch)`: a run stopped half way.
+
+    Args:
+        epoch: the epoch (from 0).
+        batch: the batch of that epoch (from 0), raised at its end.
+        error: the exception to raise; default `RuntimeError("interrupted")`.
+
+    Returns:
+        A `keras.callbacks.Callback`.
+    """
+    import keras
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, current, logs=None):
+            self.epoch = current
+
+        def on_train_batch_end(self, current, logs=None):
+            if (self.epoch, current) == (epoch, batch):
+                raise error if error is not None else RuntimeError("interrupted")
+
+    return Interrupt()
+
+
 def weights_of(model):
     return [np.array(v.value) for v in model.weights]
 

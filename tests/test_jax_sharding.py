@@ -15,7 +15,13 @@ import keras
 import numpy as np
 import pytest
 import split_probe
-from builders import max_relative_difference, weights_of, wide_data, wide_mlp
+from builders import (
+    interrupt_at,
+    max_relative_difference,
+    weights_of,
+    wide_data,
+    wide_mlp,
+)
 
 import keras_parallel
 
@@ -386,22 +392,6 @@ def test_gradient_accumulation_equals_one_device(name, distribution):
         assert shard.size * 8 == kernel.value.size
 
 
-class Interrupt(keras.callbacks.Callback):
-    """Raises at `(epoch, batch)`: a run stopped half way."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-        self.epoch = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("interrupted")
-
-
 def state_of(model):
     """`{path: value}` of the weights and the optimizer's state."""
     out = {v.path: np.asarray(v.value) for v in model.weights}
@@ -442,7 +432,7 @@ def test_sharded_model_checkpoints_resume_exactly_and_restore_elsewhere(tmp_path
         ]
 
     with pytest.raises(RuntimeError, match="interrupted"):
-        fit(sharded(), callbacks() + [Interrupt(1, 4)])
+        fit(sharded(), callbacks() + [interrupt_at(1, 4)])
     resumed = sharded()
     fit(resumed, callbacks())
     got = state_of(resumed)

@@ -418,15 +418,9 @@ def _fit_with_backup(mesh, folder, interrupt):
     every epoch) and `ModelCheckpoint` in `folder`; with `interrupt`, every
     rank raises at the fifth batch of the second epoch. Returns the final
     weights, or None when interrupted."""
+    from builders import interrupt_at
+
     keras = _keras()
-
-    class Interrupt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if self.epoch == 1 and batch == 4:
-                raise _Interrupted()
 
     x, y = data("mlp", 640)
     model = build("mlp", True)
@@ -440,7 +434,7 @@ def _fit_with_backup(mesh, folder, interrupt):
         keras.callbacks.ModelCheckpoint(os.path.join(folder, "checkpoint.keras")),
     ]
     if interrupt:
-        callbacks.append(Interrupt())
+        callbacks.append(interrupt_at(1, 4, _Interrupted()))
     try:
         model.fit(
             x, y, batch_size=64, epochs=3, shuffle=True, verbose=0, callbacks=callbacks

@@ -387,17 +387,9 @@ def fit_with_backup(folder, interrupt):
         The final weights, or None when interrupted.
     """
     import keras
-    from builders import wide_data, wide_mlp
+    from builders import interrupt_at, wide_data, wide_mlp
 
     import keras_parallel
-
-    class Interrupt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if self.epoch == 1 and batch == 4:
-                raise _Interrupted()
 
     x, y = wide_data(640)
     model = wide_mlp(_model_class(True))
@@ -413,7 +405,7 @@ def fit_with_backup(folder, interrupt):
         ),
     ]
     if interrupt:
-        callbacks.append(Interrupt())
+        callbacks.append(interrupt_at(1, 4, _Interrupted()))
     try:
         model.fit(
             x,
