@@ -7,6 +7,11 @@ writes, per process: the whole weights after each (gathered), the rows of
 a global batch its devices hold, and the shapes of the shards it holds of
 each large kernel and of its Adam slots. Each process builds its model
 from another seed: only process 0's initial weights may count.
+
+MODE `full_built`: `shard="full"`, the model built inside
+`distribution.scope()` from the same seed on every process; the script
+also records the shapes of every value gathered whole (`processes.fetch`)
+while the model is built and compiled: none may be a large variable.
 """
 
 import json
@@ -27,15 +32,29 @@ class Net(keras_parallel.DistributedModel, keras.Model):
 def main(out, mode):
     import jax
 
+    from keras_parallel.backends.jax import processes
     from keras_parallel.backends.jax.batches import distribute_batch
 
     process = jax.process_index()
-    model = wide_mlp(Net, seed=1 + process)
+    built = mode == "full_built"
+    distribution = keras_parallel.DataParallel(shard="full" if built else mode)
+    fetched = []
+    fetch = processes.fetch
+
+    def recorded_fetch(value):
+        fetched.append(list(getattr(value, "shape", ())))
+        return fetch(value)
+
+    processes.fetch = recorded_fetch
+    if built:
+        with distribution.scope():
+            model = wide_mlp(Net, seed=1)
+    else:
+        model = wide_mlp(Net, seed=1 + process)
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss="mse",
-        distribution=keras_parallel.DataParallel(shard=mode),
+        optimizer=keras.optimizers.Adam(1e-3), loss="mse", distribution=distribution
     )
+    processes.fetch = fetch
     x, y = wide_data(640)
     weights = {}
     for steps, rows in ((1, slice(0, 64)), (10, slice(64, 640))):
@@ -57,7 +76,7 @@ def main(out, mode):
                 list(value.shape),
             ]
     with open(os.path.join(out, f"info{process}.json"), "w") as f:
-        json.dump({"rows": rows, "held": held}, f)
+        json.dump({"rows": rows, "held": held, "fetched": fetched}, f)
 
 
 if __name__ == "__main__":

@@ -460,7 +460,7 @@ def test_sharded_model_checkpoints_resume_exactly_and_restore_elsewhere(tmp_path
         assert value.addressable_shards[0].data.size * 4 == value.size
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "full_built"])
 def test_two_processes_of_four_devices_train_as_one_device(tmp_path, mode):
     import json
     import os
@@ -493,6 +493,12 @@ def test_two_processes_of_four_devices_train_as_one_device(tmp_path, mode):
     assert infos[0]["rows"] == list(range(32))
     assert infos[1]["rows"] == list(range(32, 64))
     for info in infos:
+        if mode == "full_built":
+            # Built in its shards: no process gathered a large variable.
+            assert not [s for s in info["fetched"] if int(np.prod(s)) >= 4096]
+        else:
+            # Built whole per process: process 0's values were sent.
+            assert [256, 512] in info["fetched"]
         held = info["held"]
         slots = [path for path in held if "kernel_" in path]
         assert len(slots) == 4  # Momentum and velocity of both kernels.

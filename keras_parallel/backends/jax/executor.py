@@ -180,19 +180,36 @@ class JaxExecutor(Executor):
         mesh = self.distribution.device_mesh
         processes.check_same_plan(plan)
         planned = list(iter_planned_variables(model, plan))
+        layouts = [TensorLayout(entry.axes, mesh) for _, entry in planned]
         values = [variable.value for variable, _ in planned]
         if processes.is_multi_process():
             # Every process built its own initial weights; process 0's win,
-            # so the user need not seed every process alike.
-            values = processes.broadcast_values([processes.fetch(v) for v in values])
+            # so the user need not seed every process alike. A variable made
+            # in its planned layout already (in `distribution.scope()`) is
+            # one array across the processes, each holding its own shards:
+            # it is kept, never gathered whole.
+            moving = [
+                index
+                for index, (value, layout) in enumerate(
+                    zip(values, layouts, strict=True)
+                )
+                if not _laid_out_across_processes(value, layout.backend_layout)
+            ]
+            sent = processes.broadcast_values(
+                [processes.fetch(values[index]) for index in moving]
+            )
+            for index, value in zip(moving, sent, strict=True):
+                values[index] = value
         moves = []
         # Place every value first and assign after: a failure leaves the
         # model's variables as they were.
-        for (variable, entry), value in zip(planned, values, strict=True):
-            layout = TensorLayout(entry.axes, mesh)
-            moves.append(
-                (variable, layout, processes.place(value, layout.backend_layout))
-            )
+        for (variable, _), layout, value in zip(planned, layouts, values, strict=True):
+            if not (
+                isinstance(value, jax.Array)
+                and value.sharding.is_equivalent_to(layout.backend_layout, value.ndim)
+            ):
+                value = processes.place(value, layout.backend_layout)
+            moves.append((variable, layout, value))
         for variable, layout, value in moves:
             variable._layout = layout
             variable._value = value
@@ -291,6 +308,15 @@ class JaxExecutor(Executor):
 
     def barrier(self):
         processes.barrier()
+
+
+def _laid_out_across_processes(value, sharding):
+    """Whether `value` is a global array laid out by `sharding` already."""
+    return (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and value.sharding.is_equivalent_to(sharding, value.ndim)
+    )
 
 
 def _gathered_predictions(function):
