@@ -90,20 +90,30 @@ def weights_of(model):
     return [np.array(v.value) for v in model.weights]
 
 
-def max_relative_difference(a_weights, b_weights):
+def max_relative_difference(a_weights, b_weights, noise_floor=0.0):
     """The largest of |a - b| / max|a| over the variables.
 
     Fails (rather than passing vacuously) on no variables or on lists of
     different lengths.
+
+    Args:
+        a_weights: the reference arrays.
+        b_weights: the arrays to compare, in the same order.
+        noise_floor: a variable whose values all stay below this fraction
+            of the largest reference weight is compared at that scale: a
+            conv bias before a BatchNorm has a zero gradient in exact
+            arithmetic and holds only rounding noise, which no relative
+            measure of its own fits. 0 (default): every variable at its own.
     """
     a_weights, b_weights = list(a_weights), list(b_weights)
     assert a_weights, "no weights to compare"
     assert len(a_weights) == len(b_weights), (len(a_weights), len(b_weights))
+    floor = noise_floor * max(float(np.max(np.abs(a))) for a in a_weights)
     worst = 0.0
     for a, b in zip(a_weights, b_weights, strict=True):
         a = np.asarray(a, dtype="float64")
         b = np.asarray(b, dtype="float64")
-        scale = max(float(np.max(np.abs(a))), 1e-12)
+        scale = max(float(np.max(np.abs(a))), floor, 1e-12)
         worst = max(worst, float(np.max(np.abs(a - b))) / scale)
     return worst
 

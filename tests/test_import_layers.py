@@ -23,6 +23,7 @@ LAYERS = (
         "replacements",
         "instance_methods",
         "layout_keys",
+        "sharding",
         "plan",
         "building",
         "chief",

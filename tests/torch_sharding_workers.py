@@ -462,6 +462,80 @@ def loaded_sharded(weights_file):
 
 
 # ------------------------------------------------------------ scenarios
+def convnet(shard, steps=(1, 9), distributed=True, optimizer="adam"):
+    """The guide's convnet on the guide's digits (Dropout off), in parts.
+
+    Adam (default) or SGD with momentum (`optimizer="sgd"`: a slot per
+    variable to shard too). Dropout is off so that one device's run is the
+    reference. The rows each rank computed are read at the first
+    convolution (this rank's shard of a DTensor batch).
+
+    Returns:
+        `{"weights": [[(path, array)] after each part], "rows": [rows per
+        step], "held": {path: (local bytes, whole bytes)} of the kernels}`;
+        or `{"error": traceback}`.
+    """
+    import keras
+
+    import keras_parallel
+    from keras_parallel import demo
+    from keras_parallel.backends.torch import dtensor_layouts
+
+    try:
+        keras.utils.set_random_seed(2)
+        model = demo.get_model(_model_class(distributed))
+        for layer in model.layers:
+            if isinstance(layer, keras.layers.Dropout):
+                layer.rate = 0.0
+        first = next(la for la in model.layers if isinstance(la, keras.layers.Conv2D))
+        rows = []
+        call = first.call
+
+        def counted(x, *args, **kwargs):
+            local = x.to_local() if dtensor_layouts.is_dtensor(x) else x
+            if local.device.type != "meta":
+                rows.append(int(local.shape[0]))
+            return call(x, *args, **kwargs)
+
+        first.call = counted
+        kwargs = {}
+        if distributed:
+            kwargs["distribution"] = keras_parallel.DataParallel(shard=shard)
+        model.compile(
+            optimizer=(
+                keras.optimizers.Adam(1e-3)
+                if optimizer == "adam"
+                else keras.optimizers.SGD(0.05, momentum=0.9)
+            ),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            **kwargs,
+        )
+        (x, y), _ = demo.load_digits_28()  # The guide's data: real digits.
+        out = {"weights": []}
+        start = 0
+        for part in steps:
+            stop = start + part * BATCH
+            model.fit(
+                x[start:stop], y[start:stop], batch_size=BATCH, shuffle=False, verbose=0
+            )
+            start = stop
+            out["weights"].append(
+                [
+                    (v.path, np.asarray(w))
+                    for v, w in zip(model.weights, model.get_weights(), strict=True)
+                ]
+            )
+        out["rows"] = rows
+        out["held"] = {
+            v.path: (dtensor_layouts.local_bytes(v), v._value.numel() * 4)
+            for v in model.trainable_variables
+            if len(v.shape) > 1
+        }
+        return out
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
 def four_ranks(folder, deep_weights):
     """Every 4-process check of test_torch_sharding.py, in one launch."""
     out = {}
@@ -473,4 +547,7 @@ def four_ranks(folder, deep_weights):
     out["built_in_scope"] = built_in_scope(True, deep_weights)
     out["built_outside_scope"] = built_in_scope(False)
     out["checkpoints"] = checkpoint_runs(folder)
+    for shard in ("full", "optimizer"):
+        out[f"{shard}_convnet"] = convnet(shard, optimizer="sgd")
+        out[f"{shard}_convnet_adam"] = convnet(shard, steps=(1,))
     return out

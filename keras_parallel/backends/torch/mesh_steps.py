@@ -200,7 +200,7 @@ class MeshSteps(RankSteps):
             return local[:rows] if pad and local.ndim else local
 
         args, kwargs = tree.map_structure(enter, (args, kwargs))
-        with FinishedSums():
+        with FinishedSums(), gathered_for_use(self.model, self.batch_dim):
             outputs = self._own_call(*args, **kwargs)
         outputs = tree.map_structure(leave, outputs)
         _whole_added_losses(self.model)
@@ -232,6 +232,48 @@ class MeshSteps(RankSteps):
             return split.full_tensor()
 
         return tree.map_structure(gather, outputs)
+
+
+@contextlib.contextmanager
+def gathered_for_use(model, batch_dim):
+    """While in scope, the trainable variables split over the batch axis are
+    read gathered along it (`shard="full"`: each is gathered where used).
+
+    DTensor's own rules would propagate a split weight into each op, but
+    not every op has a rule that reads one: its convolution rule assumes a
+    replicated weight and computes each rank's output from its shard of the
+    kernel (seen: the guide's convnet failed with "shape '[16, 12, 12, 24]'
+    is invalid for input of size 13824"). So for the forward pass each such
+    variable's value is the gathered DTensor (a redistribution of its
+    parameter, split along any other axis as before), which every op
+    reads as it reads a replicated weight; its gradient flows back through
+    the redistribution and is reduce-scattered to the parameter's shard.
+    The parameter itself is back in place before the backward pass reads
+    `variable.value.grad`. Non-trainable variables keep their shards: a
+    layer may assign them inside `call` (BatchNorm's statistics).
+
+    Args:
+        model: the Keras model.
+        batch_dim: the index of the batch axis in the mesh.
+    """
+    swapped = []
+    try:
+        for variable in model.trainable_variables:
+            value = variable._value
+            if not isinstance(value, DTensor):
+                continue
+            placements = tuple(value.placements)
+            if not isinstance(placements[batch_dim], Shard):
+                continue
+            gathered = (
+                placements[:batch_dim] + (Replicate(),) + placements[batch_dim + 1 :]
+            )
+            swapped.append((variable, value))
+            variable._value = value.redistribute(value.device_mesh, gathered)
+        yield
+    finally:
+        for variable, value in reversed(swapped):
+            variable._value = value
 
 
 def whole(value):
