@@ -79,6 +79,8 @@ class MeshSteps(RankSteps):
         )
         self._local_rows = None
         self._stack = None
+        #: Read gathered in the forward pass where split (`gathered_for_use`).
+        self._convolution_variables = convolution_variables(model)
         self._constraints = OutputConstraints(self)
 
     # -------------------------------------------------------- install
@@ -200,7 +202,8 @@ class MeshSteps(RankSteps):
             return local[:rows] if pad and local.ndim else local
 
         args, kwargs = tree.map_structure(enter, (args, kwargs))
-        with FinishedSums(), gathered_for_use(self.model, self.batch_dim):
+        convolutions = self._convolution_variables
+        with FinishedSums(), gathered_for_use(convolutions, self.batch_dim):
             outputs = self._own_call(*args, **kwargs)
         outputs = tree.map_structure(leave, outputs)
         _whole_added_losses(self.model)
@@ -234,31 +237,64 @@ class MeshSteps(RankSteps):
         return tree.map_structure(gather, outputs)
 
 
-@contextlib.contextmanager
-def gathered_for_use(model, batch_dim):
-    """While in scope, the trainable variables split over the batch axis are
-    read gathered along it (`shard="full"`: each is gathered where used).
+#: The Keras layers whose op reads a kernel through DTensor's convolution
+#: rule (`gathered_for_use`).
+CONVOLUTIONS = (
+    "Conv1D",
+    "Conv2D",
+    "Conv3D",
+    "Conv1DTranspose",
+    "Conv2DTranspose",
+    "Conv3DTranspose",
+    "DepthwiseConv1D",
+    "DepthwiseConv2D",
+    "SeparableConv1D",
+    "SeparableConv2D",
+)
 
-    DTensor's own rules would propagate a split weight into each op, but
-    not every op has a rule that reads one: its convolution rule assumes a
-    replicated weight and computes each rank's output from its shard of the
-    kernel (seen: the guide's convnet failed with "shape '[16, 12, 12, 24]'
-    is invalid for input of size 13824"). So for the forward pass each such
-    variable's value is the gathered DTensor (a redistribution of its
-    parameter, split along any other axis as before), which every op
-    reads as it reads a replicated weight; its gradient flows back through
-    the redistribution and is reduce-scattered to the parameter's shard.
-    The parameter itself is back in place before the backward pass reads
-    `variable.value.grad`. Non-trainable variables keep their shards: a
-    layer may assign them inside `call` (BatchNorm's statistics).
+
+def convolution_variables(model):
+    """The trainable variables of the model's convolution layers."""
+    import keras
+
+    kinds = tuple(getattr(keras.layers, name) for name in CONVOLUTIONS)
+    found = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, kinds):
+            for variable in layer.trainable_variables:
+                found[id(variable)] = variable
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def gathered_for_use(variables, batch_dim):
+    """While in scope, these variables, if split over the batch axis, are read
+    gathered along it.
+
+    DTensor's rules for a matmul, an einsum or an embedding read a split
+    weight (each chooses between gathering it and splitting its output,
+    whichever moves less), but its convolution rule assumes a replicated
+    weight and computes each rank's output from its shard of the kernel
+    (seen under `shard="full"`: the guide's convnet failed with "shape
+    '[16, 12, 12, 24]' is invalid for input of size 13824"). So, for the
+    forward pass, each convolution's split variable holds its gathered
+    DTensor (a redistribution of its parameter, still split along any other
+    axis), which the convolution reads as a replicated weight; its gradient
+    flows back through the redistribution and is reduce-scattered to the
+    parameter's shard. The parameter is back in place before the backward
+    pass reads `variable.value.grad`. (Gathering every split variable so
+    instead made the 100 M-parameter MLP of
+    `benchmarks/bench_torch_sharding.py` 4.4 times slower and 38 % larger
+    than DTensor's own choice.)
 
     Args:
-        model: the Keras model.
+        variables: the variables read by convolutions
+            (`convolution_variables`).
         batch_dim: the index of the batch axis in the mesh.
     """
     swapped = []
     try:
-        for variable in model.trainable_variables:
+        for variable in variables:
             value = variable._value
             if not isinstance(value, DTensor):
                 continue
