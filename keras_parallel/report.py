@@ -169,7 +169,7 @@ def format_plan(plan, model_name="model", executor=None):
         f"Batch: {batch}",
     ]
     shard = sharding.describe_shard(plan.shard)
-    if shard is not None:
+    if shard is not None and plan.data_parallel_size > 1:
         lines.append(shard)
     if owners is not None:
         held = {}

@@ -202,6 +202,23 @@ def test_data_parallel_round_trip_with_the_class(tmp_path):
     assert max_relative_difference(expected, fit_one_step(loaded)) < 1e-6
 
 
+@pytest.mark.skipif(
+    keras.backend.backend() == "tensorflow", reason="shard= runs on JAX and torch"
+)
+def test_sharded_data_parallel_round_trip_keeps_shard(tmp_path):
+    distribution = keras_parallel.DataParallel(shard="full", shard_min_size=64)
+    model = trained(distribution)
+    path = tmp_path / "net.keras"
+    model.save(path)
+    loaded = load(path, custom_objects={"Net": Net})
+    assert loaded.distribution.shard == "full"
+    assert loaded.distribution.shard_min_size == 64
+    if loaded.distribution.device_mesh.devices.size > 1:  # One: nothing to split.
+        assert "shard='full'" in keras_parallel.describe(loaded)
+    expected = fit_one_step(model)
+    assert max_relative_difference(expected, fit_one_step(loaded)) < 1e-6
+
+
 def test_registered_class_is_found_without_custom_objects(tmp_path):
     @keras.saving.register_keras_serializable(package="kp_test")
     class RegisteredNet(keras_parallel.DistributedModel, keras.Model):

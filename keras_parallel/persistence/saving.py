@@ -166,7 +166,8 @@ def describe_distribution(distribution):
         A dict: `kind` (`"DataParallel"`, `"ModelParallel"` or the class
         name), the mesh's `mesh_shape` and `axis_names`, `batch_dim_name`,
         `auto_shard_dataset`, and for ModelParallel the `layout_map` (each key
-        to its axes); keras_parallel's `DataParallel` options too.
+        to its axes); keras_parallel's `DataParallel` options and `shard=`
+        (with `shard_min_size`) too.
     """
     import keras
 
@@ -190,6 +191,9 @@ def describe_distribution(distribution):
         for option in ("sync_batchnorm", "find_unused_parameters"):
             if hasattr(distribution, option):
                 description[option] = bool(getattr(distribution, option))
+    if getattr(distribution, "shard", None) is not None:
+        description["shard"] = distribution.shard
+        description["shard_min_size"] = int(distribution.shard_min_size)
     return description
 
 
@@ -217,7 +221,7 @@ def distribution_from_description(description):
     import keras
 
     from keras_parallel.backends import executor_class
-    from keras_parallel.distribution import DataParallel
+    from keras_parallel.distribution import DataParallel, ModelParallel
 
     kind = description.get("kind")
     remedy = (
@@ -232,12 +236,18 @@ def distribution_from_description(description):
             stacklevel=3,
         )
         return None
+    sharding = {
+        key: description[key]
+        for key in ("shard", "shard_min_size")
+        if key in description
+    }
     if kind == "DataParallel":
         options = {
             key: description[key]
             for key in ("sync_batchnorm", "find_unused_parameters")
             if key in description
         }
+        options.update(sharding)
         return DataParallel(
             auto_shard_dataset=description.get("auto_shard_dataset", True), **options
         )
@@ -264,10 +274,11 @@ def distribution_from_description(description):
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in description.get("layout_map", {}).items():
         layout_map[key] = tuple(axes)
-    return keras.distribution.ModelParallel(
+    return ModelParallel(
         layout_map=layout_map,
         batch_dim_name=description.get("batch_dim_name"),
         auto_shard_dataset=description.get("auto_shard_dataset", True),
+        **sharding,
     )
 
 
