@@ -93,10 +93,10 @@ StatelessScope = internal(
 #: Keras's torch `Variable`: its `_initialize` (which stores the value a
 #: new variable was made with) is replaced inside `distribution.scope()` so
 #: that the variable is placed as a DTensor as soon as it exists
-#: (`creation.py`).
-TorchVariable = internal(
-    "keras.src.backend.torch.core", "Variable._initialize"
-).Variable
+#: (`creation.py`). Read from `keras.src.backend`, which names the running
+#: backend's class: keras-nightly moved it from `torch/core.py` to
+#: `torch/ops/core.py`.
+TorchVariable = internal("keras.src.backend", "Variable._initialize").Variable
 
 #: Keras's optimizer with gradient accumulation: its `_iterations` counts
 #: the micro-steps (its public `iterations` counts the updates), and its
@@ -206,7 +206,7 @@ REPLACED = (
         on_instances=True,
     ),
     Target(
-        "keras.src.backend.torch.core.Variable",
+        "keras.src.backend.Variable",
         "_initialize",
         "inside `distribution.scope()`, each new variable placed as a DTensor "
         "in its layout as soon as it is made, its whole value freed "
