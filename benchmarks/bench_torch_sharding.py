@@ -28,11 +28,10 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-from process_memory import reset_peak, status_kib  # noqa: E402
+from process_memory import status_kib, timed_steps  # noqa: E402
 
 WIDTHS = (2048, 8192, 8192, 2048)
 KINDS = ("ddp", "full", "optimizer")
@@ -89,14 +88,7 @@ def worker(kind, steps, batch, cap_mib):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         model = _model(kind, WIDTHS)
-        model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
-        reset_peak()
-        times = []
-        for step in range(1, steps + 1):
-            rows = slice(step * batch, (step + 1) * batch)
-            start = time.perf_counter()
-            model.fit(x[rows], y[rows], batch_size=batch, epochs=1, verbose=0)
-            times.append(time.perf_counter() - start)
+        times = timed_steps(model, x, y, batch, steps)
     except (MemoryError, RuntimeError) as error:
         if not cap_mib:
             raise

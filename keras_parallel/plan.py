@@ -189,18 +189,16 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
     shard, shard_min_size = sharding.shard_of(distribution)
 
     def sharded(variable, axes, key):
-        # `shard=`: the batch axis added to a large floating variable.
-        if shard is None or not sharding.is_floating(_dtype_name(variable)):
-            return axes, key
-        axes, added = sharding.with_batch_axis(
+        return sharding.sharded_layout(
             variable.path,
             variable.shape,
+            _dtype_name(variable),
             axes,
+            key,
             batch_axis,
             sizes[batch_axis],
             shard_min_size,
         )
-        return axes, (_sharded_key(key) if added else key)
 
     model_vars, optimizer_vars, metric_vars = _variables_by_kind(model)
     layout_map = _layout_map_of(distribution)
@@ -320,16 +318,6 @@ def _variables_by_kind(model):
     optimizer_vars = fresh(optimizer.variables if optimizer is not None else [])
     metric_vars = fresh(getattr(model, "metrics_variables", []))
     return model_vars, optimizer_vars, metric_vars
-
-
-def _sharded_key(key):
-    # The `From` column of `describe()`: where the layout came from, and
-    # that `shard=` added the batch axis to it.
-    if key == "(replicated)":
-        return "(sharded)"
-    if key.startswith("(") and key.endswith(")"):
-        return key[:-1] + ", sharded)"
-    return f"{key} (+ sharded)"
 
 
 def _dtype_name(variable):

@@ -129,6 +129,32 @@ def with_batch_axis(path, shape, axes, batch_axis, axis_size, min_size):
     return axes[:index] + (batch_axis,) + axes[index + 1 :], True
 
 
+def sharded_layout(path, shape, dtype, axes, key, batch_axis, axis_size, min_size):
+    """A planned variable's layout and its `From` note, with `shard=`'s axis.
+
+    Args:
+        path, shape, dtype: the variable's.
+        axes: its layout so far.
+        key: where that layout came from (`describe()`'s `From` column:
+            a `LayoutMap` key, `"(replicated)"`, `"(follows d1/kernel)"`).
+        batch_axis, axis_size, min_size: as for `with_batch_axis`.
+
+    Returns:
+        `(axes, key)`: `key` says `sharded` where the batch axis was added.
+        Integer variables are returned as they are.
+    """
+    if not is_floating(dtype):
+        return tuple(axes), key
+    axes, added = with_batch_axis(path, shape, axes, batch_axis, axis_size, min_size)
+    if not added:
+        return axes, key
+    if key == "(replicated)":
+        return axes, "(sharded)"
+    if key.startswith("(") and key.endswith(")"):
+        return axes, key[:-1] + ", sharded)"
+    return axes, f"{key} (+ sharded)"
+
+
 def describe_shard(shard):
     """One line for `describe()`: what `shard` splits, or `None`."""
     if shard == "full":

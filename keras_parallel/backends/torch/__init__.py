@@ -8,7 +8,11 @@
 - `sync_bn`: BatchNormalization over the global batch.
 - `model_parallel`: ModelParallel's hooks (`MeshRunner`), DTensor variables.
 - `dtensor_layouts`: the torch mesh, placements, placing and gathering.
-- `mesh_steps`: the steps under ModelParallel (DTensor forward, gradients).
+- `mesh_steps`: the steps under ModelParallel and `shard=` (DTensor forward,
+  gradients); `mesh_losses`: their added losses made plain;
+  `convolution_kernels`: split kernels gathered where a convolution reads them.
 - `output_constraints`: where layer outputs are laid out under ModelParallel.
+- `creation`: variables placed as they are made in `distribution.scope()`.
+- `accumulation`: gradient accumulation under DDP, one all-reduce per update.
 - `keras_compat`: every Keras internal this backend reads or patches.
 """

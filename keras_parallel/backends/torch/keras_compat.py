@@ -85,7 +85,7 @@ get_device = (
 #: Maps a variable to another value while a layer runs (ModelParallel: an
 #: `Embedding` looks rows up in its table gathered along them,
 #: `output_constraints`; a weight regularizer reads its variable's whole
-#: value, `mesh_steps`).
+#: value, `mesh_losses`).
 StatelessScope = internal(
     "keras.src.backend.common.stateless_scope", "StatelessScope"
 ).StatelessScope
@@ -178,7 +178,7 @@ REPLACED = (
         "keras.src.layers.layer.Layer",
         "_get_regularization_losses",
         "weight regularizers computed on their variables' whole values: "
-        "one device's penalty, a plain scalar for the loss (`mesh_steps.py`)",
+        "one device's penalty, a plain scalar for the loss (`mesh_losses.py`)",
         on_instances=True,
     ),
     Target(

@@ -46,7 +46,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keras_parallel.backends.torch import dtensor_layouts
-from keras_parallel.backends.torch.keras_compat import StatelessScope, tree
+from keras_parallel.backends.torch.convolution_kernels import (
+    convolution_variables,
+    gathered_for_use,
+)
+from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.mesh_losses import (
+    whole_added_losses,
+    whole_regularization_losses,
+)
 from keras_parallel.backends.torch.output_constraints import (
     FinishedSums,
     OutputConstraints,
@@ -206,9 +214,9 @@ class MeshSteps(RankSteps):
         with FinishedSums(), gathered_for_use(convolutions, self.batch_dim):
             outputs = self._own_call(*args, **kwargs)
         outputs = tree.map_structure(leave, outputs)
-        _whole_added_losses(self.model)
+        whole_added_losses(self.model)
         # The added losses are left unscaled: each is the global batch's,
-        # replicated (`_whole_added_losses`), and DTensor's autograd counts
+        # replicated (`whole_added_losses`), and DTensor's autograd counts
         # its gradient once; the outputs' loss is a mean over this data
         # group's rows, whose gradient the groups sum.
         scale = self._grad_scale
@@ -235,148 +243,6 @@ class MeshSteps(RankSteps):
             return split.full_tensor()
 
         return tree.map_structure(gather, outputs)
-
-
-#: The Keras layers whose op reads a kernel through DTensor's convolution
-#: rule (`gathered_for_use`).
-CONVOLUTIONS = (
-    "Conv1D",
-    "Conv2D",
-    "Conv3D",
-    "Conv1DTranspose",
-    "Conv2DTranspose",
-    "Conv3DTranspose",
-    "DepthwiseConv1D",
-    "DepthwiseConv2D",
-    "SeparableConv1D",
-    "SeparableConv2D",
-)
-
-
-def convolution_variables(model):
-    """The trainable variables of the model's convolution layers."""
-    import keras
-
-    kinds = tuple(getattr(keras.layers, name) for name in CONVOLUTIONS)
-    found = {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, kinds):
-            for variable in layer.trainable_variables:
-                found[id(variable)] = variable
-    return list(found.values())
-
-
-@contextlib.contextmanager
-def gathered_for_use(variables, batch_dim):
-    """While in scope, these variables, if split over the batch axis, are read
-    gathered along it.
-
-    DTensor's rules for a matmul, an einsum or an embedding read a split
-    weight (each chooses between gathering it and splitting its output,
-    whichever moves less), but its convolution rule assumes a replicated
-    weight and computes each rank's output from its shard of the kernel
-    (seen under `shard="full"`: the guide's convnet failed with "shape
-    '[16, 12, 12, 24]' is invalid for input of size 13824"). So, for the
-    forward pass, each convolution's split variable holds its gathered
-    DTensor (a redistribution of its parameter, still split along any other
-    axis), which the convolution reads as a replicated weight; its gradient
-    flows back through the redistribution and is reduce-scattered to the
-    parameter's shard. The parameter is back in place before the backward
-    pass reads `variable.value.grad`. (Gathering every split variable so
-    instead made the 100 M-parameter MLP of
-    `benchmarks/bench_torch_sharding.py` 4.4 times slower and 38 % larger
-    than DTensor's own choice.)
-
-    Args:
-        variables: the variables read by convolutions
-            (`convolution_variables`).
-        batch_dim: the index of the batch axis in the mesh.
-    """
-    swapped = []
-    try:
-        for variable in variables:
-            value = variable._value
-            if not isinstance(value, DTensor):
-                continue
-            placements = tuple(value.placements)
-            if not isinstance(placements[batch_dim], Shard):
-                continue
-            gathered = (
-                placements[:batch_dim] + (Replicate(),) + placements[batch_dim + 1 :]
-            )
-            swapped.append((variable, value))
-            variable._value = value.redistribute(value.device_mesh, gathered)
-        yield
-    finally:
-        for variable, value in reversed(swapped):
-            variable._value = value
-
-
-def whole(value):
-    """A DTensor made whole and plain (a collective); anything else as is.
-
-    Its gradient keeps DTensor's meaning: a replicated scalar's gradient is
-    counted once, not once per rank.
-    """
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    return value
-
-
-def _whole_added_losses(model):
-    """Makes the losses the forward pass added whole and plain (in place).
-
-    `add_loss` inside `call` (an activity regularizer too) computes on the
-    DTensor of the global batch: its value is already the global batch's.
-    Keras adds it to the plain loss of this rank's rows, which torch refuses
-    for a DTensor (an `AssertionError` in DTensor's dispatch). Every rank
-    runs the same layers, so the collectives come in the same order.
-
-    Args:
-        model: the Keras model whose forward pass just ran.
-    """
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        losses = layer._losses
-        if any(isinstance(loss, DTensor) for loss in losses):
-            losses[:] = [whole(loss) for loss in losses]
-
-
-@contextlib.contextmanager
-def whole_regularization_losses(model):
-    """While in scope, `model`'s weight-regularization losses are plain.
-
-    Keras computes them from the variables whenever it reads `model.losses`
-    (the loss of every train and test step). On the DTensor variables
-    themselves a regularizer may fail (`L1L2` adds its DTensor terms in
-    place to a plain zero: an `AssertionError` in DTensor's dispatch), and
-    what it returns is a DTensor that Keras cannot add to the plain loss.
-    So each regularizer reads its variable's whole value (gathered, a
-    collective; a replicated variable costs nothing), through Keras's own
-    `StatelessScope`: the penalty is one device's, computed in the same
-    order, and it is plain. Its gradient reaches each shard once: the
-    backward pass of a gather (or of `to_local` of a replicated DTensor)
-    hands each process its own part of one replicated gradient, which is
-    not summed over the ranks, unlike the partial sums of the outputs'
-    gradients.
-
-    Args:
-        model: the Keras model.
-    """
-    regularization_losses = model._get_regularization_losses
-
-    def whole_losses():
-        mapping = [
-            (variable, whole(variable.value))
-            for variable in model.trainable_weights
-            if variable.regularizer is not None
-        ]
-        if not any(isinstance(v.value, DTensor) for v, _ in mapping):
-            return regularization_losses()
-        with StatelessScope(state_mapping=mapping):
-            return [whole(loss) for loss in regularization_losses()]
-
-    with replaced({(model, "_get_regularization_losses"): whole_losses}):
-        yield
 
 
 @contextlib.contextmanager
