@@ -77,6 +77,22 @@ def _record_tensorflow(x):
     tf.numpy_function(seen, [tf.shape(x)[0]], tf.int32, stateful=True)
 
 
+def record(x):
+    """Records the rows of `x` one device holds, as a probe layer does.
+
+    For a model a probe cannot be put in (the guide's convnet as the demo
+    builds it): call it from a layer's `call`.
+    """
+    import keras
+
+    recorders = {
+        "jax": _record_jax,
+        "torch": _record_torch,
+        "tensorflow": _record_tensorflow,
+    }
+    recorders[keras.backend.backend()](x)
+
+
 def probe(name="batch_probe"):
     """A new `BatchProbe` layer: put it first in a model (see module docstring).
 
@@ -89,16 +105,10 @@ def probe(name="batch_probe"):
     if not _CLASS:
         import keras
 
-        recorders = {
-            "jax": _record_jax,
-            "torch": _record_torch,
-            "tensorflow": _record_tensorflow,
-        }
-
         @keras.saving.register_keras_serializable(package="split_probe")
         class BatchProbe(keras.layers.Layer):
             def call(self, x):
-                recorders[keras.backend.backend()](x)
+                record(x)
                 return x
 
             def compute_output_spec(self, x):

@@ -122,6 +122,17 @@ def convnet_weights(shard, steps, optimizer="adam"):
         keras.utils.set_random_seed(2)
         one_device = shard == "one device"
         model = demo.get_model(keras.Model if one_device else Net)
+        # The rows of each step's batch one device holds, read at the first
+        # convolution inside the compiled step.
+        first = next(la for la in model.layers if isinstance(la, keras.layers.Conv2D))
+        call = first.call
+
+        def recorded(x, *args, **kwargs):
+            split_probe.record(x)
+            return call(x, *args, **kwargs)
+
+        first.call = recorded
+        split_probe.clear()
         model.compile(
             optimizer=(
                 keras.optimizers.Adam(1e-3)
@@ -145,7 +156,8 @@ def convnet_weights(shard, steps, optimizer="adam"):
         # error worth reading: it is left out.
         weights.pop("large_k/bias")
         plan = None if one_device else model._kp_binding.plan
-        _CONVNETS[key] = (list(weights.values()), plan)
+        _CONVNETS[key] = (list(weights.values()), plan, split_probe.records())
+        split_probe.clear()
     return _CONVNETS[key]
 
 
@@ -153,7 +165,9 @@ def convnet_weights(shard, steps, optimizer="adam"):
 def test_guide_convnet_trains_as_data_parallel_and_one_device(mode):
     # Adam, 1 step, against one device: plain DataParallel's own error here
     # is 1.2e-5 (the 8-way sum of a gradient rounds otherwise), so 5e-5.
-    weights, plan = convnet_weights(mode, 1)
+    weights, plan, records = convnet_weights(mode, 1)
+    split_probe.assert_divided(records, 64, 8)
+    split_probe.assert_divided(convnet_weights(mode, 10)[2], 64, 8)
     assert max_relative_difference(convnet_weights("one device", 1)[0], weights) < 5e-5
     # Against plain DataParallel, which computes the same sums: sharding
     # changes where the state lives, not what is computed (measured: 0 for
@@ -419,7 +433,7 @@ def test_sharded_model_checkpoints_resume_exactly_and_restore_elsewhere(tmp_path
         model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=list(callbacks))
 
     def sharded(devices=None):
-        model = wide_mlp(Net, seed=1)
+        model = wide_mlp(Net, seed=1, probe=True)
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss="mse",
@@ -445,7 +459,9 @@ def test_sharded_model_checkpoints_resume_exactly_and_restore_elsewhere(tmp_path
     with pytest.raises(RuntimeError, match="interrupted"):
         fit(sharded(), callbacks() + [interrupt_at(1, 4)])
     resumed = sharded()
+    split_probe.clear()
     fit(resumed, callbacks())
+    split_probe.assert_divided(split_probe.records(), 64, 8)  # Resumed, split.
     got = state_of(resumed)
     assert sorted(got) == sorted(expected)
     for path, value in expected.items():
@@ -454,7 +470,7 @@ def test_sharded_model_checkpoints_resume_exactly_and_restore_elsewhere(tmp_path
     assert kernel.addressable_shards[0].data.size * 8 == kernel.size
 
     # The epoch's weights file, whole: one device loads it.
-    one_device = wide_mlp(keras.Model, seed=5)
+    one_device = wide_mlp(keras.Model, seed=5, probe=True)
     one_device.load_weights(weights_file)
     for a, b in zip(one_device.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
