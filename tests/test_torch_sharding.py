@@ -245,6 +245,7 @@ def test_backup_resumes_a_sharded_model_exactly(four_ranks):
         runs = rank["checkpoints"]
         assert runs["interrupted"] is None  # It stopped in its second epoch.
         assert max_relative_difference(runs["resumed"], runs["uninterrupted"]) < 1e-6
+        split_probe.assert_divided(runs["resumed_split"], 64, 4)  # Resumed, split.
     initial = [np.asarray(w) for w in wide_mlp(keras.Model).get_weights()]
     assert max_relative_difference(runs["uninterrupted"], initial) > 1e-2
 
@@ -253,7 +254,7 @@ def test_backup_resumes_a_sharded_model_exactly(four_ranks):
 def test_weights_checkpoint_of_a_sharded_model_loads_on_one_device(
     four_ranks, folder, run
 ):
-    plain = wide_mlp(keras.Model)
+    plain = wide_mlp(keras.Model, probe=True)
     plain.load_weights(os.path.join(folder, run, "checkpoint.weights.h5"))
     final = four_ranks[0]["checkpoints"][run]
     for a, b in zip(plain.get_weights(), final, strict=True):

@@ -384,15 +384,18 @@ def fit_with_backup(folder, interrupt):
     raises at the fifth batch of the second epoch.
 
     Returns:
-        The final weights, or None when interrupted.
+        `(final weights, rows each step of this rank saw)`, or None when
+        interrupted.
     """
     import keras
+    import split_probe
     from builders import interrupt_at, wide_data, wide_mlp
 
     import keras_parallel
 
     x, y = wide_data(640)
-    model = wide_mlp(_model_class(True))
+    model = wide_mlp(_model_class(True), probe=True)
+    split_probe.clear()
     model.compile(
         optimizer=_adam(),
         loss="mse",
@@ -418,17 +421,21 @@ def fit_with_backup(folder, interrupt):
         )
     except _Interrupted:
         return None
-    return _weights(model)
+    return _weights(model), split_probe.records()
 
 
 def checkpoint_runs(folder):
     """An uninterrupted run, and one interrupted then run again (resumed)."""
     whole = os.path.join(folder, "uninterrupted")
     resumed = os.path.join(folder, "resumed")
+    uninterrupted, _ = fit_with_backup(whole, interrupt=False)
+    interrupted = fit_with_backup(resumed, interrupt=True)
+    weights, split = fit_with_backup(resumed, interrupt=False)
     return {
-        "uninterrupted": fit_with_backup(whole, interrupt=False),
-        "interrupted": fit_with_backup(resumed, interrupt=True),
-        "resumed": fit_with_backup(resumed, interrupt=False),
+        "uninterrupted": uninterrupted,
+        "interrupted": interrupted,
+        "resumed": weights,
+        "resumed_split": split,
     }
 
 
@@ -444,7 +451,7 @@ def loaded_sharded(weights_file):
     import keras_parallel
     from keras_parallel.backends.torch import dtensor_layouts
 
-    model = wide_mlp(_model_class(True))
+    model = wide_mlp(_model_class(True), probe=True)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss="mse",
