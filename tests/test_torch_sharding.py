@@ -269,3 +269,17 @@ def test_weights_saved_by_four_processes_load_sharded_on_two(four_ranks, folder)
         assert rank["placements"]["d1/kernel"] == ["S(1)"]
         for a, b in zip(rank["weights"], final, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------- failure paths
+@pytest.mark.parametrize("where", ["fit", "build"])
+def test_a_rank_that_raises_while_sharded_is_named_within_seconds(where):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="boom on rank 1 while sharded") as raised:
+        _launch(workers.fail_while_sharded, 2, args=(where,))
+    assert time.monotonic() - start < 60
+    assert raised.value.rank == 1
+    peer = raised.value.rank_errors[0]
+    assert "PeerFailedError" in peer and "Rank 1 failed" in peer

@@ -558,3 +558,38 @@ def four_ranks(folder, deep_weights):
         out[f"{shard}_convnet"] = convnet(shard, optimizer="sgd")
         out[f"{shard}_convnet_adam"] = convnet(shard, steps=(1,))
     return out
+
+
+# ------------------------------------------------------------ failure paths
+def fail_while_sharded(where, failing_rank=1):
+    """Raises on `failing_rank` under `DataParallel(shard="full")`.
+
+    Args:
+        where: `"fit"`: in a callback at the end of the fourth batch (with
+            gradient accumulation, so micro-steps run too); `"build"`: while
+            the model is made inside `distribution.scope()`, after its first
+            variable was placed (a collective the others go on to).
+    """
+    import keras
+    from builders import interrupt_at, wide_data, wide_mlp
+
+    import keras_parallel
+
+    rank = int(os.environ.get("RANK", "0"))
+    distribution = keras_parallel.DataParallel(shard="full")
+    error = ValueError(f"boom on rank {rank} while sharded ({where})")
+    if where == "build":
+        with distribution.scope():
+            keras.layers.Dense(512, name="first").build((None, 256))
+            if rank == failing_rank:
+                raise error
+            model = wide_mlp(_model_class(True))
+        return None
+    model = wide_mlp(_model_class(True))
+    model.compile(optimizer=_adam(2), loss="mse", distribution=distribution)
+    x, y = wide_data(640)
+    # Every rank runs the same callbacks (they decide which logs are made
+    # global at each step, a collective); only one raises.
+    at = (0, 3) if rank == failing_rank else (-1, -1)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[interrupt_at(*at, error)])
+    return None

@@ -27,6 +27,7 @@ values as DTensors makes Keras's unchanged ops the sharded computation.
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch import group as torch_group
@@ -81,8 +82,20 @@ def placed_creation(distribution):
         axes = split_axes(distribution, variable)
         if axes is None:
             return
-        with dtensor_layouts.promotion():
-            dtensor_layouts.place(variable, axes, keras_mesh, mesh)
+        try:
+            with dtensor_layouts.promotion():
+                dtensor_layouts.place(variable, axes, keras_mesh, mesh)
+        except Exception as error:
+            # Placing is a collective: one that broke most likely means
+            # another rank stopped (raised while building). Name it, as a
+            # step does, rather than gloo's "Connection closed by peer".
+            if torch_group.is_collective_failure(error):
+                raise torch_group.peer_failed_error(
+                    error,
+                    dist.get_rank(),
+                    f"the making of variable {variable.path!r} in distribution.scope()",
+                ) from error
+            raise
 
     with replaced({(TorchVariable, "_initialize"): initialize_placed}):
         yield
