@@ -82,13 +82,42 @@ def placed_creation(distribution):
         axes = split_axes(distribution, variable)
         if axes is None:
             return
+        with dtensor_layouts.promotion():
+            dtensor_layouts.place(variable, axes, keras_mesh, mesh)
+
+    replacements = {
+        (TorchVariable, "_initialize"): failures_named(initialize_placed),
+        # keras-nightly places a variable made from an initializer itself,
+        # there (a collective too).
+        (TorchVariable, "_initialize_with_initializer"): failures_named(
+            TorchVariable._initialize_with_initializer
+        ),
+    }
+    with replaced(replacements):
+        yield
+
+
+def failures_named(initialize):
+    """`initialize`, a broken collective in it named as a step names one.
+
+    Placing a variable is a collective: one that broke most likely means
+    another rank stopped (raised while building). It is raised as the
+    `PeerFailedError` naming that rank, rather than as gloo's "Connection
+    closed by peer".
+
+    Args:
+        initialize: a `Variable` method, `(variable, value_or_initializer)`.
+
+    Returns:
+        The method to install in its place.
+    """
+
+    def initialize_named(variable, value):
         try:
-            with dtensor_layouts.promotion():
-                dtensor_layouts.place(variable, axes, keras_mesh, mesh)
+            return initialize(variable, value)
+        except torch_group.PeerFailedError:
+            raise
         except Exception as error:
-            # Placing is a collective: one that broke most likely means
-            # another rank stopped (raised while building). Name it, as a
-            # step does, rather than gloo's "Connection closed by peer".
             if torch_group.is_collective_failure(error):
                 raise torch_group.peer_failed_error(
                     error,
@@ -97,5 +126,4 @@ def placed_creation(distribution):
                 ) from error
             raise
 
-    with replaced({(TorchVariable, "_initialize"): initialize_placed}):
-        yield
+    return initialize_named

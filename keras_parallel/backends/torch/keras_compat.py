@@ -96,7 +96,9 @@ StatelessScope = internal(
 #: (`creation.py`). Read from `keras.src.backend`, which names the running
 #: backend's class: keras-nightly moved it from `torch/core.py` to
 #: `torch/ops/core.py`.
-TorchVariable = internal("keras.src.backend", "Variable._initialize").Variable
+TorchVariable = internal(
+    "keras.src.backend", "Variable._initialize", "Variable._initialize_with_initializer"
+).Variable
 
 #: Keras's optimizer with gradient accumulation: its `_iterations` counts
 #: the micro-steps (its public `iterations` counts the updates), and its
@@ -211,6 +213,12 @@ REPLACED = (
         "inside `distribution.scope()`, each new variable placed as a DTensor "
         "in its layout as soon as it is made, its whole value freed "
         "(`creation.py`)",
+    ),
+    Target(
+        "keras.src.backend.Variable",
+        "_initialize_with_initializer",
+        "inside `distribution.scope()`, a broken collective while a variable "
+        "is placed names the rank that stopped (`creation.py`)",
     ),
     Target(
         "keras.src.layers.layer.Layer",
