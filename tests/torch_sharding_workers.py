@@ -477,6 +477,14 @@ def convnet(shard, steps=(1, 9), distributed=True, optimizer="adam"):
     reference. The rows each rank computed are read at the first
     convolution (this rank's shard of a DTensor batch).
 
+    In float64: in float32 this model's trajectory is chaotic at the size
+    of rounding. On one device alone, initial weights moved by a relative
+    1e-7 (one float32 rounding) jump 4.5e-4 away at the sixth SGD step and
+    reach 1.2e-2 by the tenth, for some moves and not others, so any other
+    summation order (four ranks, another Keras release) may or may not hit
+    it. In float64 the same experiment stays under 5e-7 at every step: the
+    bound then tests the algorithm, not the luck of rounding.
+
     Returns:
         `{"weights": [[(path, array)] after each part], "rows": [rows per
         step], "held": {path: (local bytes, whole bytes)} of the kernels}`;
@@ -488,6 +496,10 @@ def convnet(shard, steps=(1, 9), distributed=True, optimizer="adam"):
     from keras_parallel import demo
     from keras_parallel.backends.torch import dtensor_layouts
 
+    # Both: the global dtype policy, once read, no longer follows floatx.
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     try:
         keras.utils.set_random_seed(2)
         model = demo.get_model(_model_class(distributed))
@@ -534,13 +546,16 @@ def convnet(shard, steps=(1, 9), distributed=True, optimizer="adam"):
             )
         out["rows"] = rows
         out["held"] = {
-            v.path: (dtensor_layouts.local_bytes(v), v._value.numel() * 4)
+            v.path: (dtensor_layouts.local_bytes(v), v._value.numel() * 8)
             for v in model.trainable_variables
             if len(v.shape) > 1
         }
         return out
     except Exception:
         return {"error": traceback.format_exc()}
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
 
 
 def four_ranks(folder, deep_weights):
