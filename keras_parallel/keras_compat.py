@@ -206,9 +206,10 @@ REPLACED = (
     ),
     Target(
         "keras.src.trainers.epoch_iterator.EpochIterator",
-        "__init__",
+        ("__init__", "_enumerate_iterator"),
         "remembers the training iterator, whose data adapter a resumed run "
-        "moves on (`persistence/backup.py`)",
+        "moves on, and which passes over the batches a mid-epoch backup had "
+        "trained (`persistence/backup.py`)",
     ),
     Target(
         "keras.src.saving.serialization_lib",

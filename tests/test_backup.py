@@ -174,6 +174,53 @@ def test_damaged_backup_is_named_or_falls_back_to_the_previous(tmp_path, uninter
     assert_same(weights(model), uninterrupted)
 
 
+def test_mid_epoch_backup_resumes_after_the_batches_it_trained(tmp_path, uninterrupted):
+    # Saved every 2 batches; interrupted right after the save at epoch 2,
+    # batch 3: 4 batches of that epoch trained, with their shuffle (not on
+    # TensorFlow) and dropout masks.
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(
+            resume_script.build(),
+            [
+                keras.callbacks.BackupAndRestore(directory, save_freq=2),
+                Interrupt((2, 3)),
+            ],
+        )
+    metadata = json.load(open(os.path.join(directory, "training_metadata.json")))
+    assert metadata["epoch"] == 2
+    assert metadata[backup.METADATA_KEY]["steps_done"] == 4
+    model = resume_script.build()
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.append(batch)
+    )
+    history = fit(
+        model, [keras.callbacks.BackupAndRestore(directory, save_freq=2), record]
+    )
+    assert len(history.history["loss"]) == 2  # Epochs 2 (its rest) and 3.
+    assert seen[:3] == [4, 5, 6]  # 7 batches an epoch (203 rows by 32).
+    assert_same(weights(model), uninterrupted)
+
+
+def test_mid_epoch_backup_refuses_shorter_data(tmp_path):
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(
+            resume_script.build(),
+            [
+                keras.callbacks.BackupAndRestore(directory, save_freq=2),
+                Interrupt((2, 5)),
+            ],
+        )
+    with pytest.raises(backup.BackupError, match="after 6 batches of its epoch"):
+        fit(
+            resume_script.build(),
+            [keras.callbacks.BackupAndRestore(directory, save_freq=2)],
+            batch_size=64,  # 4 batches an epoch.
+        )
+
+
 @not_tensorflow
 def test_mid_epoch_backup_of_a_resumed_run_names_its_epoch(tmp_path):
     directory = str(tmp_path / "backup")

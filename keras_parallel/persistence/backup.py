@@ -30,9 +30,16 @@ silences writers), with the same files and meaning plus:
   resumed at epoch k, the training data adapter's count is moved on by k,
   so it shuffles as epoch k of the uninterrupted run.
 
-Keras restarts an epoch from its first batch: with an integer `save_freq`
-the weights saved mid-epoch then see that epoch's first batches again
-(Keras's own behaviour); `save_freq="epoch"` resumes exactly.
+Keras restarts an epoch from its first batch, so with an integer
+`save_freq` the weights saved mid-epoch would see that epoch's first
+batches again. A backup made within an epoch also records how many of its
+batches were trained (`steps_done`), and the seed generators as they are
+then (the host random state stays the epoch's first, which decides its
+shuffle): the resumed run draws the epoch's batches in the same order and
+passes over the trained ones without training on them, so it resumes
+exactly mid-epoch too. (With `steps_per_execution` above 1 a backup made
+within an epoch resumes at the epoch's start, as Keras's does.) The
+resumed epoch's logged metrics cover the batches trained after the resume.
 """
 
 import base64
@@ -84,6 +91,9 @@ class ExactBackups:
                 "on_epoch_begin",
             ): lambda cb, epoch, logs=None: _epoch_begins(cb, epoch, executor),
             (EpochIterator, "__init__"): remembered_init,
+            (EpochIterator, "_enumerate_iterator"): _resumed_enumerate(
+                EpochIterator._enumerate_iterator
+            ),
         }
         for (cls, name), function in patches.items():
             self._replacements.replace(cls, name, function)
@@ -115,6 +125,37 @@ def _epoch_begins(callback, epoch, executor):
         adapter._epoch += epoch
 
 
+def _resumed_enumerate(keras_enumerate):
+    """Keras's `EpochIterator._enumerate_iterator`, first passing over the
+    batches a mid-epoch backup had trained (`_kp_steps_to_skip`, set when
+    the backup is loaded)."""
+
+    def enumerate_resumed(iterator):
+        skip = getattr(iterator, "_kp_steps_to_skip", 0)
+        iterator._kp_steps_to_skip = 0
+        passed = 0
+        for item in keras_enumerate(iterator):
+            begin_step, _, data = item
+            if begin_step >= skip:
+                yield item
+                continue
+            try:
+                next(data)  # Drawn as the interrupted run drew it; not trained.
+                passed += 1
+            except StopIteration:
+                break
+        if passed < skip:
+            raise BackupError(
+                f"the backup was made after {skip} batches of its epoch, and "
+                f"this run's data has only {passed} in an epoch. Received: "
+                "other data or batch size than the run that wrote the backup; "
+                "resume with the same data and batch size, or delete the "
+                "backup folder to start afresh."
+            )
+
+    return enumerate_resumed
+
+
 def _save(callback, executor):
     directory = callback.backup_dir
     os.makedirs(directory, exist_ok=True)
@@ -125,12 +166,22 @@ def _save(callback, executor):
     callback.model.save_weights(os.path.join(directory, weights_name), overwrite=True)
     epoch = callback._current_epoch
     state = _random_state(callback.model, executor)
+    steps_done = 0
     if getattr(callback, "_kp_epoch", -1) >= epoch:
-        # Saved within an epoch (integer `save_freq`): Keras resumes at that
-        # epoch's start. Its own `_current_epoch` moves at epoch ends only,
-        # so it says 0 within the first epoch of a resumed run.
+        # Saved within an epoch (integer `save_freq`, or a preemption). Keras's
+        # own `_current_epoch` moves at epoch ends only, so it says 0 within
+        # the first epoch of a resumed run.
         epoch = callback._kp_epoch
-        state = callback._kp_epoch_state
+        if callback.model.steps_per_execution == 1:
+            # Resumed after the trained batches: the epoch's shuffle from its
+            # first host random state, the dropout masks from here on.
+            steps_done = callback._last_batch_seen + 1
+            state = dict(callback._kp_epoch_state)
+            state["seed_generators"] = _random_state(callback.model, executor)[
+                "seed_generators"
+            ]
+        else:
+            state = callback._kp_epoch_state  # Resumed at the epoch's start.
     metadata = {
         "epoch": epoch,
         "batch": callback._last_batch_seen,
@@ -138,6 +189,7 @@ def _save(callback, executor):
             "generation": number,
             "weights": weights_name,
             "random_state": state,
+            "steps_done": steps_done,
         },
     }
     if not executor.is_chief:
@@ -195,6 +247,14 @@ def _restore(callback, metadata, executor):
             ) from error
     if ours:
         _set_random_state(model, executor, ours["random_state"])
+        steps_done = ours.get("steps_done", 0)
+        reference = getattr(callback, "_kp_training_iterator", None)
+        iterator = reference and reference()
+        if steps_done and iterator is not None:
+            iterator._kp_steps_to_skip = steps_done
+            # Keras counts batches since its last save from here.
+            callback._last_batch_seen = steps_done - 1
+            callback._batches_seen_since_last_saving = 0
     model._initial_epoch = metadata["epoch"]
 
 
