@@ -31,6 +31,8 @@ _EXPORTS = {
     "DataParallel": "keras_parallel.distribution",
     "DistributedModel": "keras_parallel.model",
     "ModelParallel": "keras_parallel.distribution",
+    "PREEMPTED_EXIT_CODE": "keras_parallel.persistence.preemption",
+    "Preempted": "keras_parallel.persistence.preemption",
     "launch": "keras_parallel.launcher",
     "ShardingCallback": "keras_parallel.callback",
     "ShardingError": "keras_parallel.errors",

@@ -13,6 +13,7 @@ from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.keras_compat import print_msg
 from keras_parallel.persistence.backup import ExactBackups
+from keras_parallel.persistence.preemption import PreemptionWatch
 from keras_parallel.plan import check_distribution, variables_signature
 
 
@@ -160,6 +161,7 @@ class Binding:
                 backups = ExactBackups(self.executor)
                 backups.install()
                 self._scope.callback(backups.uninstall)
+                self._scope.enter_context(PreemptionWatch(self.executor))
                 if self.plan is not None:
                     self._enter_planned_scope(model)
             except BaseException as error:

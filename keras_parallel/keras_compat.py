@@ -205,6 +205,13 @@ REPLACED = (
         "(`chief.py`)",
     ),
     Target(
+        "keras.src.callbacks.callback_list.CallbackList",
+        ("on_train_batch_end", "on_epoch_end"),
+        "after every training batch the processes agree whether a "
+        "preemption signal came, and stop there with a backup "
+        "(`persistence/preemption.py`)",
+    ),
+    Target(
         "keras.src.trainers.epoch_iterator.EpochIterator",
         ("__init__", "_enumerate_iterator"),
         "remembers the training iterator, whose data adapter a resumed run "

@@ -172,7 +172,10 @@ def _save(callback, executor):
         # own `_current_epoch` moves at epoch ends only, so it says 0 within
         # the first epoch of a resumed run.
         epoch = callback._kp_epoch
-        if callback.model.steps_per_execution == 1:
+        reference = getattr(callback, "_kp_training_iterator", None)
+        batches = getattr(reference and reference(), "num_batches", None)
+        last_batch = batches and callback._last_batch_seen + 1 >= batches
+        if callback.model.steps_per_execution == 1 and not last_batch:
             # Resumed after the trained batches: the epoch's shuffle from its
             # first host random state, the dropout masks from here on.
             steps_done = callback._last_batch_seen + 1
@@ -181,7 +184,10 @@ def _save(callback, executor):
                 "seed_generators"
             ]
         else:
-            state = callback._kp_epoch_state  # Resumed at the epoch's start.
+            # Resumed at the epoch's start (an epoch resumed after all its
+            # batches would train none; a preemption there waits for the
+            # epoch's end, `persistence/preemption.py`).
+            state = callback._kp_epoch_state
     metadata = {
         "epoch": epoch,
         "batch": callback._last_batch_seen,
