@@ -12,6 +12,8 @@ PUBLIC = [
     "DataParallel",
     "DistributedModel",
     "ModelParallel",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "ShardingCallback",
     "ShardingError",
     "ShardingWarning",

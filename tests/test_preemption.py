@@ -5,6 +5,8 @@ the uninterrupted run's weights (`persistence/preemption.py`)."""
 import json
 import os
 import signal
+import threading
+import time
 
 import keras
 import numpy as np
@@ -112,6 +114,15 @@ def test_without_a_backup_it_stops_and_says_nothing_was_saved():
         fit(resume_script.build(), [SignalAt((0, 2))])
     assert stopped.value.backup_dir is None
     assert "BackupAndRestore" in str(stopped.value)
+
+
+def test_the_grace_timer_ends_with_the_run(monkeypatch):
+    # A stopped run must not be ended later by its own grace timer.
+    monkeypatch.setenv("KERAS_PARALLEL_PREEMPTION_GRACE", "0.5")
+    with pytest.raises(preemption.Preempted):
+        fit(resume_script.build(), [SignalAt((0, 2))])
+    time.sleep(1.5)  # Still alive: this test goes on.
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
 
 
 def test_signals_are_read_from_the_environment():

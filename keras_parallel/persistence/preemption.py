@@ -1,6 +1,7 @@
 """Preemption: a signal ends `fit` at a step every process agrees on, backed up.
 
-A cluster warns a job before it kills it: SLURM sends SIGTERM (and, with
+In one process for now (across processes a signal keeps its own
+meaning; see `install`). A cluster warns a job before it kills it: SLURM sends SIGTERM (and, with
 `--signal=USR1@90`, SIGUSR1 ahead of time), Kubernetes sends SIGTERM. While
 a keras_parallel entry point runs, `PreemptionWatch` turns those signals
 into a flag (the handler does nothing else: it may run in the middle of a
@@ -114,6 +115,7 @@ class PreemptionWatch:
     def __init__(self, executor):
         self.executor = executor
         self.received = None
+        self._timer = None
         self._at_epoch_end = None
         self._previous = {}
         self._replacements = Replacements()
@@ -121,6 +123,12 @@ class PreemptionWatch:
     def install(self):
         if threading.current_thread() is not threading.main_thread():
             return  # Python sets signal handlers in the main thread only.
+        if self.executor.num_processes > 1:
+            # Not yet across processes: the agreement after every batch is a
+            # collective, which changes which process a launcher names
+            # first when one fails; until that is handled and tested, a
+            # signal keeps its own meaning there.
+            return
         for number in preemption_signals():
             self._previous[number] = signal.signal(number, self._on_signal)
         if not self._previous:
@@ -151,6 +159,7 @@ class PreemptionWatch:
         self._replacements.replace(CallbackList, "on_epoch_end", on_epoch_end)
 
     def uninstall(self):
+        self._cancel_grace()
         self._replacements.restore()
         for number, previous in self._previous.items():
             signal.signal(number, previous)
@@ -181,18 +190,26 @@ class PreemptionWatch:
             return
         self.received = signal.Signals(number)
         grace = float(os.environ.get(GRACE_VARIABLE, DEFAULT_GRACE_S))
-        timer = threading.Timer(grace, self._grace_ran_out, args=(number,))
-        timer.daemon = True
-        timer.start()
+        self._timer = threading.Timer(grace, self._grace_ran_out, args=(number,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cancel_grace(self):
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
 
     def _grace_ran_out(self, number):
         """No batch ended within the grace (a process waiting on something
         else): the signal is sent again, which the handler turns into its
         own meaning; a main thread that runs no Python code for 5 s more
         (stuck in a native call) ends with the signal's exit status."""
+        if self._timer is None:
+            return  # The watch ended in time (cancelled as it fired).
         os.kill(os.getpid(), number)
         time.sleep(5.0)
-        os._exit(128 + number)
+        if self._timer is not None:
+            os._exit(128 + number)
 
     def agreed_to_stop(self):
         """Whether any process got a preemption signal (a collective when
