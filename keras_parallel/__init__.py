@@ -18,7 +18,11 @@ Public API:
 The names are imported on first use, so `import keras_parallel` (and the
 `keras-parallel` command) imports neither Keras nor a backend: the backend
 can still be chosen after it. Once Keras is imported (before or after this
-package), Keras 3.15 on torch is given `keras.distribution.list_devices()`.
+package), Keras 3.15 on torch is given `keras.distribution.list_devices()`,
+and a process that a cluster's own launcher started as one of several
+(`srun`, `mpirun`, Keras's `KERAS_DISTRIBUTION_*`) joins the others: on
+JAX, `jax.distributed` starts; on TensorFlow, the multi-worker strategy
+(`keras_parallel.cluster_environments`).
 """
 
 import importlib
@@ -84,15 +88,52 @@ def _provide_list_devices():
         pass
 
 
+def _join_cluster():
+    """JAX and TensorFlow: joins the other processes of a cluster's job.
+
+    Run once Keras is imported, before the script's first Keras call: JAX
+    fixes a one-process runtime at its first device query
+    (`keras.distribution.DataParallel()` asks for devices), TensorFlow its
+    collectives when it first runs anything (a model's first variable), and
+    an unchanged script makes either soon after importing Keras, before any
+    keras_parallel code runs. torch joins when its first entry point starts
+    its process group (`backends/torch/group.py`).
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        # `runtime` imports no other module of the backend: safe even while
+        # one of them, importing Keras, is half made.
+        from keras_parallel.backends.jax import runtime
+
+        if runtime.wanted():
+            runtime.initialize_from_environment()
+    elif backend == "tensorflow" and not _importing_backend("tensorflow"):
+        # A module of the backend whose import imported Keras is half made,
+        # and `workers` imports it: the bootstrap or the executor makes the
+        # strategy then (`workers.initialize_from_environment`).
+        from keras_parallel.backends.tensorflow import workers
+
+        if workers.wanted():
+            workers.initialize_from_environment()
+
+
 def _importing_torch_backend():
     """Whether a module of the torch backend is being imported right now."""
+    return _importing_backend("torch")
+
+
+def _importing_backend(backend):
+    """Whether a module of `backend`'s folder is being imported right now."""
     import sys
 
     return any(
-        name.startswith("keras_parallel.backends.torch.")
+        name.startswith(f"keras_parallel.backends.{backend}.")
         and getattr(getattr(module, "__spec__", None), "_initializing", False)
         for name, module in list(sys.modules.items())
     )
 
 
 keras_config.after_keras_import(_provide_list_devices)
+keras_config.after_keras_import(_join_cluster)

@@ -63,6 +63,7 @@ def _runtime(backend):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         from keras_parallel.backends.tensorflow import workers
 
+        workers.fill_tf_config()  # Under srun or mpirun, for the name too.
         name = f"worker {workers.cluster_workers()[1]}"
         return name, workers.initialize_from_environment
     from keras_parallel.backends.jax import runtime

@@ -15,8 +15,11 @@ from keras_parallel.replacement_targets import Target
 trainer = internal("keras.src.backend.jax.trainer", "jit")
 #: `distribute_data_input` lays out each batch; replaced in scope so that a
 #: batch the data axis does not divide is placed whole, for the step to split.
+#: `initialize` starts `jax.distributed`; replaced for good once
+#: keras_parallel started it from a cluster's variables, so that a script's
+#: own `keras.distribution.initialize()` still runs (`initialize_once`).
 distribution_lib = internal(
-    "keras.src.backend.jax.distribution_lib", "distribute_data_input"
+    "keras.src.backend.jax.distribution_lib", "distribute_data_input", "initialize"
 )
 
 #: Keras's saving converts every variable with this module's
@@ -39,6 +42,14 @@ REPLACED = (
         "device, for the step to split (Keras reuses the first batch's "
         "layout); across processes each places its own rows "
         "(`batches.distribute_batch`)",
+    ),
+    Target(
+        "keras.src.backend.jax.distribution_lib",
+        "initialize",
+        "once keras_parallel started `jax.distributed` from a cluster's "
+        "variables, a script's own `keras.distribution.initialize()` agreeing "
+        "with it does nothing (JAX's raises on a second call); for the life "
+        "of the process (`initialize_once.py`)",
     ),
     Target(
         "keras.src.backend.jax.trainer",

@@ -1,43 +1,108 @@
 """The multi-process JAX runtime, started from the environment.
 
-`keras-parallel launch` (or a cluster's own launcher) gives each process the
-variables `keras.distribution.initialize()` reads
-(`KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`,
-`KERAS_DISTRIBUTION_PROCESS_ID`); `initialize_from_environment` calls it
-before the user's script runs, so the script needs no extra line. Keras's
-`initialize` starts `jax.distributed` (its coordinator on process 0) and
-agrees a random seed across processes.
+Each process learns its place from its launcher's variables, read by
+`keras_parallel.cluster_environments`: Keras's own
+`KERAS_DISTRIBUTION_*` (what `keras-parallel launch` sets), torchelastic's,
+`srun`'s or `mpirun`'s. `initialize_from_environment` starts
+`jax.distributed` with the arguments they give, through
+`keras.distribution.initialize()`, which also agrees one random seed across
+processes.
+
+It must run before JAX's backend starts: the first device query
+(`jax.devices()`, `keras.distribution.list_devices()`,
+`keras.distribution.DataParallel()`) fixes a one-process runtime for good.
+So keras_parallel runs it as soon as Keras is imported
+(`keras_parallel/__init__.py`, through `keras_config.after_keras_import`):
+importing Keras imports JAX but asks for no device, and an unchanged script
+asks for one only after it imported Keras. `keras-parallel launch` runs it
+too, before the script (`launcher/bootstrap.py`); it starts the runtime
+once.
 """
 
 import os
+
+from keras_parallel import cluster_environments
 
 #: The variables `keras.distribution.initialize()` reads.
 ADDRESS_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 COUNT_ENV = "KERAS_DISTRIBUTION_NUM_PROCESSES"
 ID_ENV = "KERAS_DISTRIBUTION_PROCESS_ID"
+#: JAX's variable for its CPU collectives; a value the user set is kept.
+CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 
 
-def wanted():
+def cluster_arguments(environ=None):
+    """`jax.distributed.initialize`'s arguments, where several processes run.
+
+    Args:
+        environ: the variables to read; `os.environ` when None.
+
+    Returns:
+        `{"coordinator_address", "num_processes", "process_id"}` computed
+        from the detected cluster environment, or None where none is
+        detected or it names one process.
+
+    Raises:
+        ClusterEnvironmentError: a variable of the environment is wrong; it
+            is named.
+    """
+    env = cluster_environments.detect_cluster_environment(environ)
+    if env is None or env.world_size() <= 1:
+        return None
+    return cluster_environments.jax_initialize_arguments(env)
+
+
+def wanted(environ=None):
     """Whether the environment asks for more than one JAX process."""
-    return int(os.environ.get(COUNT_ENV, "1") or 1) > 1
+    return cluster_arguments(environ) is not None
 
 
 def initialize_from_environment():
     """Starts `jax.distributed` as the environment says, once.
 
     CPU devices talk over gloo (JAX's CPU collectives), so several processes
-    also work on a machine without accelerators.
+    also work on a machine without accelerators. The arguments are
+    keras_parallel's, not JAX's own cluster detection: JAX finds SLURM's and
+    Open MPI's (from `OMPI_MCA_orte_hnp_uri`, which a plain `mpirun` of
+    Open MPI 5 does not set) on ports of its own choosing, and not
+    torchelastic's; ours are the same in every case and for every backend.
+    JAX still restricts each process to its local rank's GPU under SLURM
+    (`local_device_ids`), as its own `initialize()` does.
 
     Returns:
         True if several processes run now.
+
+    Raises:
+        ClusterEnvironmentError: a variable of the environment is wrong.
     """
-    if not wanted():
-        return False
-    os.environ.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")
     import jax
-    import keras
+    import keras  # First: importing it may start the runtime (see above).
 
     # Asking for devices would start a one-process runtime: ask the client.
-    if not jax.distributed.is_initialized():
-        keras.distribution.initialize()
+    if jax.distributed.is_initialized():
+        return jax.process_count() > 1
+    arguments = cluster_arguments()
+    if arguments is None:
+        return False
+    if CPU_COLLECTIVES_ENV not in os.environ:
+        # JAX is imported already (by Keras): its flag is read when its
+        # backend starts, so set through its config, not the environment.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    keras.distribution.initialize(
+        job_addresses=arguments["coordinator_address"],
+        num_processes=arguments["num_processes"],
+        process_id=arguments["process_id"],
+    )
+    _accept_the_scripts_own_call()
     return jax.process_count() > 1
+
+
+def _accept_the_scripts_own_call():
+    """A later `keras.distribution.initialize()` of the script's, agreeing, runs."""
+    try:
+        from keras_parallel.backends.jax import initialize_once
+    except ImportError:
+        # The backend's `keras_compat` is half made: its own import of Keras
+        # started the runtime. A script's own call then gets JAX's error.
+        return
+    initialize_once.install()

@@ -1,11 +1,17 @@
 """TensorFlow across processes: one `MultiWorkerMirroredStrategy` from `TF_CONFIG`.
 
-`keras-parallel launch --backend tensorflow` (or a cluster's own launcher)
-gives each process a `TF_CONFIG` naming every worker's address and this
-worker's index. The strategy must exist before TensorFlow runs anything
-(it configures the runtime's collectives and starts this worker's server),
-so `keras_parallel.launcher.bootstrap` calls `initialize_from_environment`
-before the user's script runs, and the executor reuses that one strategy.
+`keras-parallel launch --backend tensorflow` gives each process a
+`TF_CONFIG` naming every worker's address and this worker's index. Started
+by a cluster's own launcher (`srun`, `mpirun`, Keras's
+`KERAS_DISTRIBUTION_*`), a process with no `TF_CONFIG` gets one computed
+from the detected cluster environment (`fill_tf_config`). The strategy
+must exist before TensorFlow runs anything (it configures the runtime's
+collectives and starts this worker's server), so `initialize_from_environment`
+runs as soon as Keras is imported (`keras_parallel/__init__.py`, through
+`keras_config.after_keras_import`: importing Keras imports TensorFlow but
+runs nothing) and, under `keras-parallel launch`, before the user's script
+(`keras_parallel.launcher.bootstrap`); the executor reuses that one
+strategy.
 
 On a machine without GPUs, `KERAS_PARALLEL_DEVICES_PER_PROCESS=K` (set by
 `--devices-per-process K`) splits each worker's CPU into K logical devices,
@@ -28,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 
+from keras_parallel import cluster_environments
 from keras_parallel.backends.tensorflow import DEVICES_ENV, strategies
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.replacements import replaced
@@ -64,9 +71,43 @@ def cluster_workers(environ=None):
     return addresses, index
 
 
-def wanted():
-    """Whether `TF_CONFIG` asks for more than one worker."""
-    return len(cluster_workers()[0]) > 1
+def fill_tf_config(environ=None):
+    """Sets `TF_CONFIG` from the cluster environment, where it is unset.
+
+    Under `keras-parallel launch` it is set already; under `srun` or
+    `mpirun` it is not, and the detected environment gives every worker's
+    `host:port` and this worker's index.
+
+    Args:
+        environ: the variables to read and fill; `os.environ` when None.
+
+    Returns:
+        The names it set: `["TF_CONFIG"]`, or `[]` where it was set, no
+        environment is detected, or it names one process.
+
+    Raises:
+        ClusterEnvironmentError: a variable of the environment is wrong, or
+            it does not name every worker's host; it is named.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TF_CONFIG", "").strip():
+        return []
+    env = cluster_environments.detect_cluster_environment(environ)
+    if env is None or env.world_size() <= 1:
+        return []
+    environ.update(cluster_environments.environment_variables(env, "tensorflow"))
+    return ["TF_CONFIG"]
+
+
+def wanted(environ=None):
+    """Whether `TF_CONFIG`, else the cluster environment, asks for several workers."""
+    environ = os.environ if environ is None else environ
+    if len(cluster_workers(environ)[0]) > 1:
+        return True
+    if environ.get("TF_CONFIG", "").strip():
+        return False  # The user's own TF_CONFIG wins.
+    env = cluster_environments.detect_cluster_environment(environ)
+    return env is not None and env.world_size() > 1
 
 
 def strategy():
@@ -77,7 +118,8 @@ def strategy():
 def initialize_from_environment():
     """Creates the multi-worker strategy `TF_CONFIG` asks for, once.
 
-    Call it before TensorFlow runs anything.
+    Call it before TensorFlow runs anything. An unset `TF_CONFIG` is filled
+    from the cluster environment first (`fill_tf_config`).
 
     Returns:
         The `ExactMultiWorkerMirroredStrategy`, or `None` if `TF_CONFIG`
@@ -86,8 +128,12 @@ def initialize_from_environment():
 
     Raises:
         RuntimeError: TensorFlow already started in this process.
+        ClusterEnvironmentError: a variable of the cluster environment is
+            wrong; it is named.
     """
     global _strategy
+    if _strategy is None:
+        fill_tf_config()
     count = os.environ.get(DEVICES_ENV)
     if _strategy is not None or not wanted():
         if count and _strategy is None and not tf.config.list_physical_devices("GPU"):

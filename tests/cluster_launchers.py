@@ -1,0 +1,145 @@
+"""Two local processes started as `srun` or `mpirun` start them: fakes.
+
+No launcher of ours: one shell starts `cluster_environment_script.py`
+twice, rank 0 in the background and rank 1 in front, each with the
+variables its cluster launcher sets (`SLURM`, `OPENMPI` give them per
+rank). The shell runs in a session of its own, killed whole at the
+timeout; `start_two` fails if a process outlives it.
+"""
+
+import json
+import os
+import random
+import socket
+import sys
+
+import numpy as np
+import pytest
+from subprocesses import checkout_env, gone, run_in_session
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TIMEOUT_S = 240
+#: What the tests' own environment may hold of a launcher: none may leak in.
+_LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "KERAS_DISTRIBUTION_")
+_LAUNCHER_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+)
+
+
+def free_port_run(count):
+    """A port in 15000-24999 with the `count - 1` after it free too."""
+    for _ in range(100):
+        port = random.randrange(15000, 25000 - count)
+        try:
+            for offset in range(count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return port
+    pytest.skip("no free run of ports in 15000-24999")
+
+
+def slurm(port):
+    """`srun -n 2` on one node: the variables of each rank.
+
+    The port is SLURM's derived one (`15000 + the last 4 digits of
+    SLURM_JOB_ID`), so the job id is chosen to derive `port`.
+
+    Returns:
+        `(shared, per_rank)`: the variables both ranks have, and a function
+        of the rank giving its own.
+    """
+    shared = {
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_ID": f"7{port - 15000:04d}",
+        "SLURM_JOB_NAME": "train",
+    }
+    return shared, lambda rank: {"SLURM_PROCID": rank, "SLURM_LOCALID": rank}
+
+
+def openmpi(port):
+    """`mpirun -n 2 -x MASTER_PORT=<port>` on one host: each rank's variables."""
+    shared = {
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_PORT": str(port),
+    }
+    return shared, lambda rank: {
+        "OMPI_COMM_WORLD_RANK": rank,
+        "OMPI_COMM_WORLD_LOCAL_RANK": rank,
+    }
+
+
+LAUNCHERS = {"srun": slurm, "mpirun": openmpi}
+
+
+def start_two(out, launcher, backend, ports, joined=True, **variables):
+    """Runs the script in two processes as `launcher` would; waits for both.
+
+    Args:
+        out: the directory the processes write to.
+        launcher: `"srun"` or `"mpirun"`.
+        backend: `KERAS_BACKEND`.
+        ports: how many consecutive ports must be free from the main port.
+        joined: False runs each process through `without_cluster_join.py`
+            (keras_parallel's joining removed): the red case.
+        variables: more variables for both processes.
+
+    Returns:
+        The `subprocess.CompletedProcess` of the shell.
+    """
+    shared, per_rank = LAUNCHERS[launcher](free_port_run(ports))
+    env = {
+        name: value
+        for name, value in checkout_env(KERAS_BACKEND=backend, **variables).items()
+        if not (name.startswith(_LAUNCHER_PREFIXES) or name in _LAUNCHER_NAMES)
+    }
+    env.update(shared)
+    script = os.path.join(HERE, "cluster_environment_script.py")
+    run = [sys.executable]
+    if not joined:
+        run.append(os.path.join(HERE, "without_cluster_join.py"))
+    run = " ".join([*run, script, str(out)])
+
+    def assign(rank):
+        return " ".join(f"{name}={value}" for name, value in per_rank(rank).items())
+
+    command = (
+        f"{assign(0)} {run} & first=$!; {assign(1)} {run}; second=$?; "
+        'wait "$first"; exit $(( $? | second ))'
+    )
+    try:
+        return run_in_session(["bash", "-c", command], env, TIMEOUT_S)
+    finally:
+        assert not gone(str(out)), "a process outlived the test"
+
+
+def results(out):
+    """Each process's weights and info, rank order."""
+    weights, infos = [], []
+    for rank in (0, 1):
+        with np.load(os.path.join(out, f"weights{rank}.npz")) as f:
+            weights.append([f[k] for k in sorted(f.files, key=lambda k: int(k[4:]))])
+        with open(os.path.join(out, f"info{rank}.json")) as f:
+            infos.append(json.load(f))
+    return weights, infos
+
+
+def max_rel(a_weights, b_weights):
+    assert a_weights, "no weights to compare"
+    assert len(a_weights) == len(b_weights), (len(a_weights), len(b_weights))
+    return max(
+        float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-12)
+        for a, b in zip(a_weights, b_weights, strict=True)
+    )

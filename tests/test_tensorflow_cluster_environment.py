@@ -1,0 +1,108 @@
+"""TensorFlow started by a cluster's own launcher: `srun`, `mpirun`, no launcher of ours.
+
+Two workers x 2 logical CPU devices, each given only its launcher's
+variables (faked, `tests/cluster_launchers.py`) and no `TF_CONFIG`, must
+form one 4-replica `MultiWorkerMirroredStrategy` as soon as the unchanged
+script imports Keras (`keras_parallel._join_cluster` ->
+`backends/tensorflow/workers.py`, `TF_CONFIG` computed from the launcher's
+variables): after one step both hold single-device training's weights
+(1e-5), with worker 0's initial weights, and each replica computed 16 rows
+of the 64-row batch. Without the joining, each worker trains alone and the
+checks fail.
+"""
+
+import json
+
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow workers (tox -e tensorflow)",
+)
+
+if keras.backend.backend() == "tensorflow":
+    import cluster_environment_script as script
+    from cluster_launchers import max_rel, results, start_two
+    from split_probe import assert_divided
+
+    from keras_parallel.backends.tensorflow import DEVICES_ENV, workers
+
+#: Each worker's CPU split in two; TensorFlow's INFO lines hidden.
+VARIABLES = {DEVICES_ENV: "2", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    model = script.build(seed=1, distributed=False)  # Worker 0's seed.
+    script.train(model)
+    return model.get_weights()
+
+
+def check_one_group(out, one_device):
+    weights, infos = results(out)
+    for rank in (0, 1):
+        assert infos[rank]["devices"] == 4, infos[rank]
+        records = [tuple(r) for r in infos[rank]["records"]]
+        assert len(records) == 2, records  # This worker's 2 replicas.
+        assert_divided(records, 64, 4)
+        assert max_rel(weights[rank], one_device) < 1e-5
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_two_workers_train_as_one_group(tmp_path, one_device, launcher):
+    # The main port and each worker's: main + 1 + its index on the host.
+    done = start_two(tmp_path, launcher, "tensorflow", ports=3, **VARIABLES)
+    assert done.returncode == 0, done.stderr[-4000:]
+    check_one_group(tmp_path, one_device)
+
+
+def test_without_joining_each_worker_trains_alone(tmp_path, one_device):
+    """The red case: the checks above must catch it, within the timeout."""
+    done = start_two(tmp_path, "srun", "tensorflow", 3, joined=False, **VARIABLES)
+    assert done.returncode == 0, done.stderr[-4000:]
+    _, infos = results(tmp_path)
+    assert [info["devices"] for info in infos] == [1, 1]
+    with pytest.raises(AssertionError, match="not split"):
+        assert_divided([tuple(r) for r in infos[0]["records"]], 64, 4)
+    with pytest.raises(AssertionError):
+        check_one_group(tmp_path, one_device)
+
+
+SLURM = {
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_NODELIST": "node[01-02]",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+    "SLURM_JOB_ID": "123456",
+}
+
+
+def test_tf_config_is_filled_from_the_launcher_where_unset():
+    environ = dict(SLURM)
+    assert workers.wanted(environ)
+    assert workers.fill_tf_config(environ) == ["TF_CONFIG"]
+    assert json.loads(environ["TF_CONFIG"]) == {
+        "cluster": {"worker": ["node01:18457", "node02:18457"]},
+        "task": {"type": "worker", "index": 1},
+    }
+    assert workers.cluster_workers(environ) == (["node01:18457", "node02:18457"], 1)
+    assert workers.fill_tf_config(environ) == []  # Set now: kept.
+
+
+def test_a_tf_config_of_ones_own_wins():
+    own = json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}})
+    environ = dict(SLURM, TF_CONFIG=own)
+    assert workers.fill_tf_config(environ) == []
+    assert environ["TF_CONFIG"] == own
+    assert not workers.wanted(environ)  # One worker, as the user said.
+
+
+def test_one_process_or_a_bare_machine_sets_nothing():
+    alone = dict(SLURM, SLURM_NTASKS="1", SLURM_PROCID="0")
+    alone["SLURM_STEP_TASKS_PER_NODE"] = "1"
+    for environ in ({}, alone):
+        assert workers.fill_tf_config(environ) == []
+        assert "TF_CONFIG" not in environ
+        assert not workers.wanted(environ)
