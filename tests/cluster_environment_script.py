@@ -64,10 +64,11 @@ def main(out):
         # (JAX): it must still run after keras_parallel's own.
         keras.distribution.initialize()
     rank = next(int(os.environ[v]) for v in RANK_VARIABLES if v in os.environ)
-    devices = np.asarray(keras_parallel.DataParallel().device_mesh.devices).size
+    # As most scripts: the model (its variables: TensorFlow runs) first.
     model = build(seed=1 + rank)
     split_probe.clear()
     train(model)
+    devices = np.asarray(keras_parallel.DataParallel().device_mesh.devices).size
     np.savez(os.path.join(out, f"weights{rank}.npz"), *model.get_weights())
     info = {"records": split_probe.records(), "devices": int(devices)}
     with open(os.path.join(out, f"info{rank}.json"), "w") as f:

@@ -151,8 +151,10 @@ def initialize_from_environment():
         raise RuntimeError(
             "Cannot start TensorFlow across processes: the strategy must be "
             "made before TensorFlow runs anything. Received: TF_CONFIG with "
-            f"{len(cluster_workers()[0])} workers and {error}; start the "
-            "script with `keras-parallel launch --backend tensorflow` or "
+            f"{len(cluster_workers()[0])} workers and {error}; import "
+            "keras_parallel before the script's first TensorFlow work (it "
+            "makes the strategy once Keras is imported), or start the script "
+            "with `keras-parallel launch --backend tensorflow` or "
             "`python -m keras_parallel.launcher.bootstrap train.py`."
         ) from error
     return _strategy
