@@ -22,7 +22,8 @@ package), Keras 3.15 on torch is given `keras.distribution.list_devices()`,
 and a process that a cluster's own launcher started as one of several
 (`srun`, `mpirun`, Keras's `KERAS_DISTRIBUTION_*`) joins the others: on
 JAX, `jax.distributed` starts; on TensorFlow, the multi-worker strategy
-(`keras_parallel.cluster_environments`).
+(`keras_parallel.cluster_environments`, `keras_parallel.cluster_join`;
+`KERAS_PARALLEL_CLUSTER=off` turns it off).
 """
 
 import importlib
@@ -97,26 +98,21 @@ def _join_cluster():
     collectives when it first runs anything (a model's first variable), and
     an unchanged script makes either soon after importing Keras, before any
     keras_parallel code runs. torch joins when its first entry point starts
-    its process group (`backends/torch/group.py`).
+    its process group (`backends/torch/group.py`). The rules (the opt-out,
+    child processes, errors, the exit of a failing process) are
+    `keras_parallel.cluster_join`'s.
     """
     import keras
 
-    backend = keras.backend.backend()
-    if backend == "jax":
-        # `runtime` imports no other module of the backend: safe even while
-        # one of them, importing Keras, is half made.
-        from keras_parallel.backends.jax import runtime
+    from keras_parallel import cluster_join
 
-        if runtime.wanted():
-            runtime.initialize_from_environment()
-    elif backend == "tensorflow" and not _importing_backend("tensorflow"):
+    backend = keras.backend.backend()
+    if backend == "tensorflow" and _importing_backend("tensorflow"):
         # A module of the backend whose import imported Keras is half made,
         # and `workers` imports it: the bootstrap or the executor makes the
         # strategy then (`workers.initialize_from_environment`).
-        from keras_parallel.backends.tensorflow import workers
-
-        if workers.wanted():
-            workers.initialize_from_environment()
+        return
+    cluster_join.join(backend)
 
 
 def _importing_torch_backend():

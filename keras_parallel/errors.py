@@ -26,5 +26,15 @@ class UnsupportedKerasError(ImportError):
     """
 
 
+class ClusterJoinError(RuntimeError):
+    """keras_parallel could not join a cluster's processes when Keras was imported.
+
+    Raised by the import of Keras (`keras_parallel.cluster_join`), the
+    original error as its `__cause__`; its message offers
+    `KERAS_PARALLEL_CLUSTER=off`. Raised again at each later import of
+    Keras in the process: a failed join is not retried.
+    """
+
+
 class ShardingWarning(UserWarning):
     """A variable that `shard=` leaves whole although it is large."""

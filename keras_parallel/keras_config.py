@@ -77,7 +77,8 @@ def after_keras_import(callback):
     `keras-parallel launch`, the launcher imports keras_parallel before the
     script). Until Keras is imported, a finder on `sys.meta_path` waits for
     its top-level package, and removes itself once Keras has run; it
-    imports nothing.
+    imports nothing. A callback that raises fails that import of Keras, and
+    is run again at the next one.
 
     Args:
         callback: a function of no argument, run after Keras's package has
@@ -115,7 +116,15 @@ class _AfterKerasImport(importlib.abc.MetaPathFinder):
         # (a version check) must not end the wait.
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-        self.callback()
+        try:
+            self.callback()
+        except BaseException:
+            # The callback's error fails Keras's import, and Python removes
+            # `keras` from `sys.modules`: the next `import keras` loads it
+            # again, and must run the callback again (and fail again) rather
+            # than succeed without it.
+            sys.meta_path.insert(0, self)
+            raise
 
 
 class _ThenCall(importlib.abc.Loader):

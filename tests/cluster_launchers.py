@@ -1,10 +1,12 @@
 """Two local processes started as `srun` or `mpirun` start them: fakes.
 
-No launcher of ours: one shell starts `cluster_environment_script.py`
-twice, rank 0 in the background and rank 1 in front, each with the
-variables its cluster launcher sets (`SLURM`, `OPENMPI` give them per
-rank). The shell runs in a session of its own, killed whole at the
-timeout; `start_two` fails if a process outlives it.
+No launcher of ours: one shell starts a script (`cluster_environment_script.py`
+unless told) twice, rank 0 in the background and rank 1 in front, each with
+the variables its cluster launcher sets (`slurm`, `openmpi` give them per
+rank). The shell runs in a session of its own, killed whole (SIGKILL: JAX
+catches SIGTERM) at the timeout; `start_two` fails if a process outlives it.
+`bare_env` is the tests' environment with no launcher's variable, for a
+process of one.
 """
 
 import json
@@ -30,6 +32,8 @@ _LAUNCHER_NAMES = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TF_CONFIG",
+    "KERAS_PARALLEL_CLUSTER",
+    "KERAS_PARALLEL_JOINED_PID",
 )
 
 
@@ -50,7 +54,8 @@ def free_port_run(count):
 def slurm(port):
     """`srun -n 2` on one node: the variables of each rank.
 
-    The port is SLURM's derived one (`15000 + the last 4 digits of
+    A task of step 0 (`SLURM_STEP_ID`, `SLURM_STEP_NUM_TASKS`: srun's). The
+    port is SLURM's derived one (`15000 + the last 4 digits of
     SLURM_JOB_ID`), so the job id is chosen to derive `port`.
 
     Returns:
@@ -59,6 +64,8 @@ def slurm(port):
     """
     shared = {
         "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
         "SLURM_STEP_NODELIST": "127.0.0.1",
         "SLURM_STEP_TASKS_PER_NODE": "2",
         "SLURM_NODEID": "0",
@@ -84,33 +91,57 @@ def openmpi(port):
 LAUNCHERS = {"srun": slurm, "mpirun": openmpi}
 
 
-def start_two(out, launcher, backend, ports, joined=True, **variables):
+def bare_env(**variables):
+    """`checkout_env()` without any launcher's variable, then `variables`."""
+    env = {
+        name: value
+        for name, value in checkout_env().items()
+        if not (name.startswith(_LAUNCHER_PREFIXES) or name in _LAUNCHER_NAMES)
+    }
+    env.update({name: str(value) for name, value in variables.items()})
+    return env
+
+
+def start_two(
+    out,
+    launcher,
+    backend,
+    ports,
+    joined=True,
+    script="cluster_environment_script.py",
+    args=(),
+    timeout=TIMEOUT_S,
+    **variables,
+):
     """Runs the script in two processes as `launcher` would; waits for both.
 
     Args:
-        out: the directory the processes write to.
+        out: the directory the processes write to; the script's first
+            argument (also how `gone` finds the processes).
         launcher: `"srun"` or `"mpirun"`.
         backend: `KERAS_BACKEND`.
         ports: how many consecutive ports must be free from the main port.
         joined: False runs each process through `without_cluster_join.py`
             (keras_parallel's joining removed): the red case.
+        script: the script, in `tests/`.
+        args: its arguments after `out`.
+        timeout: seconds until every process is killed.
         variables: more variables for both processes.
 
     Returns:
         The `subprocess.CompletedProcess` of the shell.
+
+    Raises:
+        subprocess.TimeoutExpired: past `timeout`, every process killed.
     """
     shared, per_rank = LAUNCHERS[launcher](free_port_run(ports))
-    env = {
-        name: value
-        for name, value in checkout_env(KERAS_BACKEND=backend, **variables).items()
-        if not (name.startswith(_LAUNCHER_PREFIXES) or name in _LAUNCHER_NAMES)
-    }
+    env = bare_env(KERAS_BACKEND=backend, **variables)
     env.update(shared)
-    script = os.path.join(HERE, "cluster_environment_script.py")
+    script = os.path.join(HERE, script)
     run = [sys.executable]
     if not joined:
         run.append(os.path.join(HERE, "without_cluster_join.py"))
-    run = " ".join([*run, script, str(out)])
+    run = " ".join([*run, script, str(out), *map(str, args)])
 
     def assign(rank):
         return " ".join(f"{name}={value}" for name, value in per_rank(rank).items())
@@ -120,7 +151,7 @@ def start_two(out, launcher, backend, ports, joined=True, **variables):
         'wait "$first"; exit $(( $? | second ))'
     )
     try:
-        return run_in_session(["bash", "-c", command], env, TIMEOUT_S)
+        return run_in_session(["bash", "-c", command], env, timeout)
     finally:
         assert not gone(str(out)), "a process outlived the test"
 

@@ -7,6 +7,8 @@ raise an error naming the variable to fix.
 
 import json
 import os
+import socket
+import warnings
 
 import pytest
 
@@ -15,6 +17,8 @@ from keras_parallel import cluster_environments as ce
 
 _PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "KERAS_DISTRIBUTION_")
 _NAMES = (
+    "KERAS_PARALLEL_CLUSTER",
+    "TF_CONFIG",
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -39,8 +43,11 @@ def setenv(monkeypatch, **variables):
         monkeypatch.setenv(name, str(value))
 
 
+#: A task of `srun -n 4` (step 0), on the second of two nodes.
 SLURM = dict(
     SLURM_NTASKS=4,
+    SLURM_STEP_ID=0,
+    SLURM_STEP_NUM_TASKS=4,
     SLURM_PROCID=2,
     SLURM_LOCALID=0,
     SLURM_NODEID=1,
@@ -99,10 +106,74 @@ def test_slurm_is_detected_with_its_values(bare):
     assert env.validate() is env
 
 
-@pytest.mark.parametrize("job_name", ["bash", "interactive"])
-def test_an_interactive_slurm_allocation_is_not_a_launched_job(bare, job_name):
+#: What the batch script of `sbatch --ntasks=4` (or a `salloc -n 4` shell)
+#: holds: the allocation's task count, no srun step of its own.
+SBATCH = dict(
+    SLURM_NTASKS=4,
+    SLURM_PROCID=0,
+    SLURM_LOCALID=0,
+    SLURM_NODEID=0,
+    SLURM_JOB_NODELIST="node[01-02]",
+    SLURM_TASKS_PER_NODE="2(x2)",
+    SLURM_JOB_ID=123456,
+    SLURM_JOB_NAME="train",
+)
+
+
+@pytest.fixture
+def warn_again(monkeypatch):
+    """The not-started-by-srun warning may come again (it comes once a process)."""
+    from keras_parallel.cluster_environments import slurm
+
+    monkeypatch.setattr(slurm, "_warned", False)
+
+
+# The batch step: no SLURM_STEP_ID (SLURM's usual), or SLURM_BATCH_SCRIPT's
+# id (4294967291 since SLURM 20.11, 4294967294 before); a salloc shell: none,
+# or the interactive step's (4294967290); the extern step: 4294967292.
+@pytest.mark.parametrize(
+    "step_id", [None, "4294967291", "4294967294", "4294967290", "4294967292", "batch"]
+)
+def test_an_sbatch_script_or_salloc_shell_is_one_process_and_warns_once(
+    bare, warn_again, step_id
+):
+    environ = dict(SBATCH, SLURM_STEP_NUM_TASKS=4) if step_id else dict(SBATCH)
+    if step_id:
+        environ["SLURM_STEP_ID"] = step_id
+    setenv(bare, **environ)
+    with pytest.warns(ce.NotStartedBySrunWarning) as warned:
+        assert ce.detect_cluster_environment() is None
+    message = str(warned[0].message)
+    assert "SLURM_NTASKS=4" in message and "srun python train.py" in message
+    assert f"SLURM_STEP_ID={step_id!r}" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Once a process, not at each detection.
+        assert ce.detect_cluster_environment() is None
+
+
+def test_a_one_task_sbatch_script_runs_alone_without_a_warning(bare, warn_again):
+    setenv(bare, **dict(SBATCH, SLURM_NTASKS=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ce.detect_cluster_environment() is None
+
+
+@pytest.mark.parametrize("job_name", ["bash", "interactive", "train"])
+def test_an_srun_step_is_detected_whatever_the_job_name(bare, job_name):
+    """`srun` inside `salloc` (job name `interactive` or the shell's) too."""
     setenv(bare, **dict(SLURM, SLURM_JOB_NAME=job_name))
-    assert ce.detect_cluster_environment() is None
+    assert isinstance(ce.detect_cluster_environment(), ce.SlurmEnvironment)
+
+
+def test_srun_pty_bash_is_one_process(bare):
+    """`srun --pty bash`: a step of one task; what runs in it runs alone."""
+    setenv(bare, **dict(SLURM, SLURM_STEP_NUM_TASKS=1, SLURM_PROCID=0))
+    assert ce.detect_cluster_environment().world_size() == 1
+
+
+def test_the_world_size_is_the_steps_not_the_jobs(bare):
+    setenv(bare, **dict(SLURM, SLURM_NTASKS=8))  # The job's 8, the step's 4.
+    assert ce.detect_cluster_environment().world_size() == 4
 
 
 def test_slurm_rank_0_runs_on_the_steps_first_node_not_the_jobs(bare):
@@ -236,7 +307,7 @@ def test_detection_order_keras_torchelastic_slurm_mpi(bare, present, expected):
         (TORCHELASTIC, dict(RANK=2), "RANK"),
         (KERAS, dict(KERAS_DISTRIBUTION_PROCESS_ID=3), "KERAS_DISTRIBUTION_PROCESS_ID"),
         # A world size below 1.
-        (SLURM, dict(SLURM_NTASKS=0), "SLURM_NTASKS"),
+        (SLURM, dict(SLURM_STEP_NUM_TASKS=0), "SLURM_STEP_NUM_TASKS"),
         (OPENMPI, dict(OMPI_COMM_WORLD_SIZE=-2), "OMPI_COMM_WORLD_SIZE"),
         (TORCHELASTIC, dict(WORLD_SIZE=0), "WORLD_SIZE"),
         # Not a number.
@@ -296,7 +367,7 @@ def test_a_wrong_variable_is_named(bare, base, changes, variable):
 @pytest.mark.parametrize(
     "base, variable",
     [
-        (SLURM, "SLURM_NTASKS"),
+        (SLURM, "SLURM_STEP_NUM_TASKS"),
         (OPENMPI, "OMPI_COMM_WORLD_SIZE"),
         (TORCHELASTIC, "WORLD_SIZE"),
     ]
@@ -347,7 +418,35 @@ def test_jax_arguments_and_variables(bare):
 def test_jax_coordinator_of_an_ipv6_host_is_bracketed(bare):
     setenv(bare, **dict(TORCHELASTIC, MASTER_ADDR="fe80::1"))
     arguments = ce.jax_initialize_arguments(ce.detect_cluster_environment())
-    assert arguments["coordinator_address"] == "[fe80::1]:29400"
+    assert arguments["coordinator_address"] == "[fe80::1]:29401"  # See below.
+
+
+def test_jax_under_torchrun_leaves_master_port_to_torchruns_store(bare):
+    """torchrun's TCPStore holds MASTER_PORT: JAX's coordinator takes the next."""
+    with socket.socket() as store:  # As torchrun's agent holds it.
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        port = store.getsockname()[1]
+        setenv(bare, **dict(TORCHELASTIC, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        env = ce.detect_cluster_environment()
+        coordinator = ce.jax_initialize_arguments(env)["coordinator_address"]
+        assert coordinator == f"127.0.0.1:{port + 1}"
+        assert ce.environment_variables(env, "jax") == {
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES": f"127.0.0.1:{port + 1}",
+            "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+            "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+        }
+        # torch's own variables still name the store's port.
+        assert ce.environment_variables(env, "torch")["MASTER_PORT"] == str(port)
+
+
+@pytest.mark.parametrize("base", [SLURM, OPENMPI, KERAS])
+def test_jax_coordinator_elsewhere_is_the_main_port(bare, base):
+    setenv(bare, **base)
+    env = ce.detect_cluster_environment()
+    assert ce.jax_initialize_arguments(env)["coordinator_address"].endswith(
+        f":{env.main_port()}"
+    )
 
 
 def tf_config(env):
@@ -374,7 +473,7 @@ def test_tf_config_of_uneven_slurm_nodes(bare):
         bare,
         **dict(
             SLURM,
-            SLURM_NTASKS=3,
+            SLURM_STEP_NUM_TASKS=3,
             SLURM_STEP_NODELIST="a,b",
             SLURM_STEP_TASKS_PER_NODE="1,2",
         ),
@@ -498,6 +597,7 @@ def test_two_srun_processes_form_one_torch_group(bare, tmp_path):
         **dict(
             SLURM,
             SLURM_NTASKS=2,
+            SLURM_STEP_NUM_TASKS=2,
             SLURM_STEP_NODELIST="127.0.0.1",
             SLURM_STEP_TASKS_PER_NODE="2",
             SLURM_NODEID=0,
@@ -555,7 +655,65 @@ def test_the_torch_group_fills_only_what_is_unset():
     assert environ["MASTER_ADDR"] == "head"
     assert (environ["RANK"], environ["WORLD_SIZE"]) == ("2", "4")
     # One process: no group to start, nothing set.
-    alone = {name: str(value) for name, value in dict(SLURM, SLURM_NTASKS=1).items()}
+    alone = dict(SLURM, SLURM_NTASKS=1, SLURM_STEP_NUM_TASKS=1)
+    alone = {name: str(value) for name, value in alone.items()}
     alone["SLURM_PROCID"] = "0"
     assert group.fill_from_cluster_environment(alone) == []
     assert "RANK" not in alone
+
+
+def test_keras_parallel_cluster_off_detects_nothing(bare):
+    setenv(bare, **dict(SLURM, KERAS_PARALLEL_CLUSTER="off"))
+    assert ce.detect_cluster_environment() is None
+    assert ce.describe_environment() == (
+        "none: KERAS_PARALLEL_CLUSTER=off (every process runs alone)"
+    )
+    bare.setenv("KERAS_PARALLEL_CLUSTER", "auto")
+    assert isinstance(ce.detect_cluster_environment(), ce.SlurmEnvironment)
+
+
+def test_a_wrong_keras_parallel_cluster_is_named(bare):
+    setenv(bare, **dict(SLURM, KERAS_PARALLEL_CLUSTER="of"))
+    with pytest.raises(
+        ce.ClusterEnvironmentError, match="KERAS_PARALLEL_CLUSTER must be 'off'"
+    ):
+        ce.detect_cluster_environment()
+    assert "misconfigured" in ce.describe_environment()
+
+
+@pytest.mark.parametrize(
+    "cluster, task_type, role",
+    [
+        ({"chief": ["a:1"], "worker": ["b:1"]}, "worker", "chief"),
+        ({"chief": ["a:1"], "worker": ["b:1"]}, "chief", "chief"),
+        ({"ps": ["a:1"], "worker": ["b:1", "c:1"]}, "ps", "ps"),
+        ({"worker": ["b:1", "c:1"], "evaluator": ["d:1"]}, "evaluator", "evaluator"),
+        ({"worker": ["b:1", "c:1"]}, "evaluator", "evaluator"),
+    ],
+)
+def test_a_tf_config_with_other_roles_than_workers_is_refused(
+    bare, cluster, task_type, role
+):
+    from keras_parallel.cluster_environments import tf_config
+
+    text = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": 0}})
+    bare.setenv("TF_CONFIG", text)
+    for read in (tf_config.cluster_workers, tf_config.wanted):
+        with pytest.raises(ce.ClusterEnvironmentError) as info:
+            read()
+        message = str(info.value)
+        assert message.startswith(f"TF_CONFIG names a {role!r} task")
+        assert 'only clusters of "worker" tasks' in message
+        assert f"this task's type {task_type!r}" in message
+        assert "KERAS_PARALLEL_CLUSTER=off" in message
+
+
+def test_a_tf_config_of_workers_is_read_and_off_ignores_it(bare):
+    from keras_parallel.cluster_environments import tf_config
+
+    workers = {"cluster": {"worker": ["a:1", "b:1"]}}
+    bare.setenv("TF_CONFIG", json.dumps(dict(workers, task={"index": 1})))
+    assert tf_config.cluster_workers() == (["a:1", "b:1"], 1)
+    assert tf_config.wanted()
+    bare.setenv("KERAS_PARALLEL_CLUSTER", "off")
+    assert not tf_config.wanted()

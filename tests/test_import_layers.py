@@ -30,8 +30,9 @@ LAYERS = (
         "keras_config",
         "cluster_environments",
     ),
-    # One executor per backend, and the contract they share.
-    ("backends",),
+    # One executor per backend, and the contract they share; the join of a
+    # cluster's processes, which starts a backend's runtime.
+    ("backends", "cluster_join"),
     # What reads and writes files; the distribution helper; the plan's table.
     ("persistence", "distribution", "report"),
     # A distribution bound to a model.

@@ -7,23 +7,43 @@ runtime as soon as the unchanged script imports Keras
 step both hold single-device training's weights (1e-5), with process 0's
 initial weights, and each device computed 8 rows of the 64-row batch.
 Without the joining, the same processes train alone and the checks fail.
+
+Then the join's rules, each in a process of its own (`cluster_join_probe.py`,
+`cluster_join_script.py`): both import orders join; a plain machine, an
+`sbatch` script, a child of a joined process and a `multiprocessing` child
+join nothing; a failed join names itself, offers the opt-out and fails
+again; a rank that raises after the join ends both processes at once.
 """
 
+import json
 import os
+import sys
+import time
 
 import keras
 import pytest
 
 from keras_parallel.backends.jax import runtime
 
-multi_process = pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="JAX processes (tox -e jax)"
-)
+on_jax = keras.backend.backend() == "jax"
+#: Processes of their own: on the JAX backend only (tox -e jax).
+jax_only = pytest.mark.skipif(not on_jax, reason="JAX processes (tox -e jax)")
+multi_process = jax_only
 
-if keras.backend.backend() == "jax":
+if on_jax:
     import cluster_environment_script as script
-    from cluster_launchers import max_rel, results, start_two
+    from cluster_launchers import (
+        bare_env,
+        free_port_run,
+        max_rel,
+        results,
+        slurm,
+        start_two,
+    )
     from split_probe import assert_divided
+    from subprocesses import gone, run_in_session
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 DEVICES = "--xla_force_host_platform_device_count=4"
 
@@ -75,6 +95,8 @@ def test_without_joining_each_process_trains_alone(tmp_path, one_device):
 
 SLURM = {
     "SLURM_NTASKS": "2",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "2",
     "SLURM_PROCID": "1",
     "SLURM_LOCALID": "1",
     "SLURM_STEP_NODELIST": "node[01-02]",
@@ -99,11 +121,13 @@ def test_cluster_arguments_come_from_the_detected_environment():
 def test_one_process_or_a_bare_machine_starts_nothing():
     assert runtime.cluster_arguments({}) is None
     assert (
-        runtime.cluster_arguments(dict(SLURM, SLURM_NTASKS="1", SLURM_PROCID="0"))
+        runtime.cluster_arguments(
+            dict(SLURM, SLURM_STEP_NUM_TASKS="1", SLURM_PROCID="0")
+        )
         is None
     )
     assert not runtime.wanted({})
-    assert not runtime.wanted(dict(SLURM, SLURM_NTASKS="1", SLURM_PROCID="0"))
+    assert not runtime.wanted(dict(SLURM, SLURM_STEP_NUM_TASKS="1", SLURM_PROCID="0"))
 
 
 def test_keras_own_variables_win_over_the_launchers():
@@ -133,9 +157,13 @@ def test_the_environment_is_read_from_os_environ_by_default(monkeypatch):
     assert runtime.cluster_arguments()["process_id"] == 1
 
 
-@multi_process
+@jax_only
 def test_a_scripts_own_initialize_after_ours_runs(monkeypatch):
-    """`keras.distribution.initialize()` agreeing with the running runtime."""
+    """`keras.distribution.initialize()` agreeing with the running runtime.
+
+    In this process: JAX's process count and index are faked (no runtime
+    is started); the JAX backend is needed for Keras's JAX `initialize`.
+    """
     import jax
 
     from keras_parallel.backends.jax import initialize_once
@@ -157,3 +185,166 @@ def test_a_scripts_own_initialize_after_ours_runs(monkeypatch):
     finally:
         initialize_once._kept.restore()
     assert distribution_lib.initialize is original
+
+
+# The join's rules, each in a process of its own.
+
+#: The batch script of `sbatch --ntasks=2`: the allocation's task count,
+#: rank 0's variables, and no srun step (no SLURM_STEP_ID).
+SBATCH = {
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "127.0.0.1",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_JOB_NAME": "train",
+}
+
+
+def srun_task(rank):
+    """The variables of task `rank` of a fake `srun -n 2`, on a free port."""
+    shared, per_rank = slurm(free_port_run(1))
+    return {**shared, **{k: str(v) for k, v in per_rank(rank).items()}}
+
+
+def probe(tmp_path, mode, timeout=90, **variables):
+    """Runs `cluster_join_probe.py MODE` with only `variables` of a launcher.
+
+    Returns:
+        `(its JSON line, stderr, seconds)`.
+    """
+    command = [sys.executable, os.path.join(HERE, "cluster_join_probe.py"), mode]
+    env = bare_env(KERAS_BACKEND="jax", XLA_FLAGS=DEVICES, **variables)
+    started = time.monotonic()
+    try:
+        # `tmp_path` in its command line: how `gone` finds a leftover.
+        done = run_in_session([*command, str(tmp_path)], env, timeout)
+    finally:
+        assert not gone(str(tmp_path)), "a process outlived the test"
+    seconds = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(lines[0]), done.stderr, seconds
+
+
+@jax_only
+@pytest.mark.timeout(180)
+def test_a_plain_machine_joins_nothing(tmp_path):
+    """No launcher's variable: importing Keras starts no `jax.distributed`."""
+    found, _, _ = probe(tmp_path, "record")
+    assert found["backend"] == "jax"
+    assert found["calls"] == []
+    assert not found["initialized"]
+    assert found["joined_pid"] is None
+    assert not found["excepthook_replaced"]
+
+
+@jax_only
+@pytest.mark.timeout(180)
+def test_an_sbatch_script_runs_alone_at_once_and_warns(tmp_path):
+    """Not a task of srun: no waiting (300 s) for tasks nobody started."""
+    found, stderr, seconds = probe(
+        tmp_path, "real", timeout=60, SLURM_JOB_ID="123456", **SBATCH
+    )
+    assert seconds < 60
+    assert not found["initialized"]
+    assert found["joined_pid"] is None
+    assert "NotStartedBySrunWarning" in stderr
+    assert "srun python train.py" in stderr
+
+
+@jax_only
+@pytest.mark.timeout(240)
+def test_a_child_of_a_joined_process_joins_nothing(tmp_path):
+    """A subprocess inherits its parent's rank, and the marker naming its parent."""
+    task = srun_task(1)
+    # The same variables without the marker: the probe sees a join.
+    found, _, _ = probe(tmp_path, "record", **task)
+    assert found["calls"] == [
+        {
+            "coordinator_address": f"127.0.0.1:{15000 + int(task['SLURM_JOB_ID'][-4:])}",
+            "num_processes": 2,
+            "process_id": 1,
+        }
+    ]
+    assert found["joined_pid"] == str(found["pid"])
+    found, _, _ = probe(tmp_path, "record", KERAS_PARALLEL_JOINED_PID="1", **task)
+    assert found["calls"] == []
+    assert found["joined_pid"] == "1"
+
+
+@jax_only
+@pytest.mark.timeout(180)
+def test_a_multiprocessing_child_joins_nothing(tmp_path):
+    """A spawn worker of a process started by srun: it would take rank 1 again."""
+    found, _, _ = probe(tmp_path, "spawn", **srun_task(1))
+    assert found["calls"] == []
+    assert found["joined_pid"] is None
+
+
+@jax_only
+@pytest.mark.timeout(240)
+def test_a_failed_join_names_itself_offers_the_opt_out_and_fails_again(tmp_path):
+    """JAX refuses to start after a device query: its error, wrapped."""
+    found, _, _ = probe(tmp_path, "devices_first", **srun_task(0))
+    first, second = found["errors"]
+    assert first["type"] == "ClusterJoinError"
+    assert "keras_parallel's cluster join failed" in first["message"]
+    assert "KERAS_PARALLEL_CLUSTER=off" in first["message"]
+    assert "slurm (world size 2, rank 0" in first["message"]
+    assert first["cause"] == "RuntimeError"
+    assert "must be called before any JAX calls" in first["cause_message"]
+    assert second == first  # The second `import keras` fails too.
+    found, _, _ = probe(
+        tmp_path, "devices_first", KERAS_PARALLEL_CLUSTER="off", **srun_task(0)
+    )
+    assert found["errors"] == [None, None]
+    assert not found["initialized"]
+
+
+@jax_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["keras_parallel_first", "keras_first"])
+def test_both_import_orders_join(tmp_path, order):
+    done = start_two(
+        tmp_path,
+        "srun",
+        "jax",
+        ports=1,
+        script="cluster_join_script.py",
+        args=(order,),
+        timeout=120,
+        XLA_FLAGS=DEVICES,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert sorted(line["rank"] for line in lines) == [0, 1], done.stdout
+    for line in lines:
+        assert (line["processes"], line["devices"], line["marked"]) == (2, 8, True)
+
+
+@jax_only
+@pytest.mark.timeout(180)
+def test_a_rank_that_raises_ends_both_processes_at_once(tmp_path):
+    """Rank 1 raises while rank 0 waits for it in a collective.
+
+    Without keras_parallel's excepthook, rank 1 would wait at JAX's
+    shutdown barrier for rank 0, which waits for rank 1: 300 s.
+    """
+    started = time.monotonic()
+    done = start_two(
+        tmp_path,
+        "srun",
+        "jax",
+        ports=1,
+        script="cluster_join_script.py",
+        args=("keras_parallel_first", 1),
+        timeout=60,
+        XLA_FLAGS=DEVICES,
+    )
+    assert time.monotonic() - started < 60
+    assert done.returncode != 0
+    assert "keras_parallel: rank 1 of 2 raised the error below" in done.stderr
+    assert "RuntimeError: rank 1 raises after the join" in done.stderr

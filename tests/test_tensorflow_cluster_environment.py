@@ -8,10 +8,17 @@ script imports Keras (`keras_parallel._join_cluster` ->
 variables): after one step both hold single-device training's weights
 (1e-5), with worker 0's initial weights, and each replica computed 16 rows
 of the 64-row batch. Without the joining, the workers fail at once.
+
+Then, each in a process of its own: with no cluster, importing Keras
+imports no module of the TensorFlow backend (and so none of its checks of
+Keras's internals: an unsupported Keras still imports); with one, such a
+check's error and a `TF_CONFIG` of other roles than workers fail the import
+with the join's error.
 """
 
 import json
 import os
+import sys
 
 import keras
 import pytest
@@ -23,8 +30,9 @@ pytestmark = pytest.mark.skipif(
 
 if keras.backend.backend() == "tensorflow":
     import cluster_environment_script as script
-    from cluster_launchers import max_rel, results, start_two
+    from cluster_launchers import bare_env, max_rel, results, start_two
     from split_probe import assert_divided
+    from subprocesses import gone, run_in_session
 
     from keras_parallel.backends.tensorflow import DEVICES_ENV, workers
 
@@ -74,6 +82,8 @@ def test_without_joining_the_workers_fail_at_once(tmp_path):
 
 SLURM = {
     "SLURM_NTASKS": "2",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "2",
     "SLURM_PROCID": "1",
     "SLURM_LOCALID": "1",
     "SLURM_STEP_NODELIST": "node[01-02]",
@@ -103,9 +113,86 @@ def test_a_tf_config_of_ones_own_wins():
 
 
 def test_one_process_or_a_bare_machine_sets_nothing():
-    alone = dict(SLURM, SLURM_NTASKS="1", SLURM_PROCID="0")
+    alone = dict(SLURM, SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1", SLURM_PROCID="0")
     alone["SLURM_STEP_TASKS_PER_NODE"] = "1"
     for environ in ({}, alone):
         assert workers.fill_tf_config(environ) == []
         assert "TF_CONFIG" not in environ
         assert not workers.wanted(environ)
+
+
+#: `python -c IMPORT_KERAS OUT UNSUPPORTED`: imports keras_parallel, then
+#: Keras; prints whether that imported the backend's modules, or its error.
+#: With UNSUPPORTED=1, every module of keras_parallel's TensorFlow backend
+#: fails to import as on a Keras whose internals it does not know.
+IMPORT_KERAS = r"""
+import importlib.abc, json, os, sys
+
+from keras_parallel.errors import UnsupportedKerasError
+
+
+class Unsupported(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("keras_parallel.backends.tensorflow"):
+            raise UnsupportedKerasError("Keras 9.9 lacks keras.src.x (simulated)")
+
+
+if sys.argv[2] == "1":
+    sys.meta_path.insert(0, Unsupported())
+import keras_parallel
+
+try:
+    import keras
+except Exception as error:
+    found = {"error": type(error).__name__, "message": str(error)}
+    found["cause"] = type(error.__cause__).__name__
+else:
+    found = {"error": None}
+found["backend_modules"] = sorted(
+    name for name in sys.modules if name.startswith("keras_parallel.backends")
+)
+os.write(1, (json.dumps(found) + "\n").encode())
+"""
+
+
+def import_keras(tmp_path, unsupported=False, **variables):
+    env = bare_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2", **variables)
+    command = [sys.executable, "-c", IMPORT_KERAS, str(tmp_path)]
+    try:
+        done = run_in_session([*command, "1" if unsupported else "0"], env, 120)
+    finally:
+        assert not gone(str(tmp_path)), "a process outlived the test"
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_without_a_cluster_no_backend_module_is_imported(tmp_path):
+    """Not even on a Keras whose internals keras_parallel does not know."""
+    for unsupported in (False, True):
+        found = import_keras(tmp_path, unsupported)
+        assert found == {"error": None, "backend_modules": []}
+
+
+@pytest.mark.timeout(180)
+def test_with_a_cluster_an_unsupported_keras_fails_the_join(tmp_path):
+    found = import_keras(tmp_path, unsupported=True, **SLURM)
+    assert found["error"] == "ClusterJoinError"
+    assert found["cause"] == "UnsupportedKerasError"
+    assert "Keras 9.9 lacks keras.src.x" in found["message"]
+    assert "KERAS_PARALLEL_CLUSTER=off" in found["message"]
+
+
+@pytest.mark.timeout(180)
+def test_a_tf_config_of_a_parameter_server_cluster_is_refused(tmp_path):
+    config = {
+        "cluster": {"ps": ["a:1"], "worker": ["b:1", "c:1"]},
+        "task": {"type": "ps", "index": 0},
+    }
+    found = import_keras(tmp_path, TF_CONFIG=json.dumps(config))
+    assert found["error"] == "ClusterJoinError"
+    assert found["cause"] == "ClusterEnvironmentError"
+    message = found["message"]
+    assert "TF_CONFIG names a 'ps' task" in message
+    assert 'only clusters of "worker" tasks' in message
+    assert found["backend_modules"] == []  # Refused before any was imported.

@@ -10,7 +10,9 @@ Lightning's shape (`detect()`, `world_size()`, `global_rank()`,
   (`keras.distribution.initialize`; `keras-parallel launch --backend jax`);
 - `TorchElasticEnvironment`: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
   `MASTER_PORT` (torchrun, a Kubeflow PyTorchJob);
-- `SlurmEnvironment`: `srun` (`SLURM_PROCID`, `SLURM_NTASKS`, ...);
+- `SlurmEnvironment`: a task of an `srun` step (`SLURM_PROCID`,
+  `SLURM_STEP_NUM_TASKS`, ...; an `sbatch` script or `salloc` shell is one
+  process);
 - `OpenMPIEnvironment`: `mpirun` (`OMPI_COMM_WORLD_*`).
 
 `detect_cluster_environment()` returns the first that applies, in that
@@ -19,6 +21,9 @@ None on a bare machine. `environment_variables(env, backend)` turns one
 into what each backend's runtime reads: torch's `RANK`... `MASTER_PORT`,
 the `KERAS_DISTRIBUTION_*` that become `jax.distributed.initialize`'s
 arguments, TensorFlow's `TF_CONFIG`.
+
+`KERAS_PARALLEL_CLUSTER=off` turns detection off: every process runs
+alone (`opted_out`).
 
 A value that cannot be right (a rank out of range, a world size below 1, no
 address) raises `ClusterEnvironmentError` naming the variable to fix, when
@@ -43,15 +48,21 @@ from keras_parallel.cluster_environments.nodelists import (
     expand_tasks_per_node,
 )
 from keras_parallel.cluster_environments.openmpi import OpenMPIEnvironment
-from keras_parallel.cluster_environments.slurm import SlurmEnvironment
+from keras_parallel.cluster_environments.opt_out import OPT_OUT_VAR, opted_out
+from keras_parallel.cluster_environments.slurm import (
+    NotStartedBySrunWarning,
+    SlurmEnvironment,
+)
 from keras_parallel.cluster_environments.torchelastic import TorchElasticEnvironment
 
 __all__ = [
     "BACKENDS",
     "ENVIRONMENTS",
+    "OPT_OUT_VAR",
     "ClusterEnvironment",
     "ClusterEnvironmentError",
     "KerasDistributionEnvironment",
+    "NotStartedBySrunWarning",
     "OpenMPIEnvironment",
     "SlurmEnvironment",
     "TorchElasticEnvironment",
@@ -61,6 +72,7 @@ __all__ = [
     "expand_nodelist",
     "expand_tasks_per_node",
     "jax_initialize_arguments",
+    "opted_out",
 ]
 
 ENVIRONMENTS = (
@@ -79,8 +91,15 @@ def detect_cluster_environment(environ=None):
 
     Returns:
         An instance of the first of `ENVIRONMENTS` whose `detect()` is true
-        (not yet validated: `validate()` reads every value), or None.
+        (not yet validated: `validate()` reads every value), or None; None
+        too where `KERAS_PARALLEL_CLUSTER=off` (`opted_out`).
+
+    Raises:
+        ClusterEnvironmentError: `KERAS_PARALLEL_CLUSTER` is neither `off`
+            nor `auto`.
     """
+    if opted_out(environ):
+        return None
     for environment in ENVIRONMENTS:
         if environment.detect(environ):
             return environment(environ)
@@ -92,6 +111,11 @@ def describe_environment(environ=None):
 
     Never raises: a wrong variable is reported with its error.
     """
+    try:
+        if opted_out(environ):
+            return f"none: {OPT_OUT_VAR}=off (every process runs alone)"
+    except ClusterEnvironmentError as error:
+        return f"misconfigured: {error}"
     env = detect_cluster_environment(environ)
     if env is None:
         return "none (a bare machine: use keras-parallel launch)"

@@ -8,18 +8,36 @@ from keras_parallel.cluster_environments.base import (
 from keras_parallel.cluster_environments.keras_distribution import (
     KerasDistributionEnvironment,
 )
+from keras_parallel.cluster_environments.torchelastic import TorchElasticEnvironment
 
 BACKENDS = ("torch", "jax", "tensorflow")
+
+
+def jax_coordinator_port(env):
+    """The port of JAX's coordinator (its distributed service) for `env`.
+
+    `env.main_port()`, except under torchrun (`TorchElasticEnvironment`):
+    there `MASTER_PORT` is the port of torchrun's own TCPStore, which the
+    elastic agent holds for the whole run (`backends/torch/group.py` reads
+    it as the agent's store), so JAX's coordinator, which must bind its
+    own port on rank 0's host, takes the next one: `MASTER_PORT + 1`.
+    """
+    port = env.main_port()
+    return port + 1 if isinstance(env, TorchElasticEnvironment) else port
 
 
 def jax_initialize_arguments(env):
     """`jax.distributed.initialize`'s arguments for `env`.
 
+    Args:
+        env: a `ClusterEnvironment`.
+
     Returns:
-        `{"coordinator_address", "num_processes", "process_id"}`.
+        `{"coordinator_address", "num_processes", "process_id"}`; the
+        coordinator on `jax_coordinator_port(env)`.
     """
     return {
-        "coordinator_address": host_port(env.main_address(), env.main_port()),
+        "coordinator_address": host_port(env.main_address(), jax_coordinator_port(env)),
         "num_processes": env.world_size(),
         "process_id": env.global_rank(),
     }
@@ -33,8 +51,9 @@ def environment_variables(env, backend):
     `WORLD_SIZE`, `LOCAL_RANK` (left out where `env` does not tell),
     `MASTER_ADDR`, `MASTER_PORT`; JAX the `KERAS_DISTRIBUTION_*` that
     `keras.distribution.initialize()` passes to `jax.distributed.initialize`
-    (see `jax_initialize_arguments`); TensorFlow `TF_CONFIG`, every worker's
-    `host:port` and this one's index.
+    (see `jax_initialize_arguments`; under torchrun the coordinator is on
+    `MASTER_PORT + 1`, torchrun's store holding `MASTER_PORT`); TensorFlow
+    `TF_CONFIG`, every worker's `host:port` and this one's index.
 
     Args:
         env: a `ClusterEnvironment`.

@@ -1,6 +1,7 @@
-"""SLURM's `srun`: `SLURM_PROCID`, `SLURM_NTASKS`, the step's node list."""
+"""SLURM's `srun`: `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, the step's node list."""
 
 import os
+import warnings
 
 from keras_parallel.cluster_environments.base import (
     ClusterEnvironment,
@@ -14,33 +15,73 @@ from keras_parallel.cluster_environments.nodelists import (
 
 
 class SlurmEnvironment(ClusterEnvironment):
-    """Processes started by `srun`.
+    """Processes started by `srun`: the tasks of one job step.
 
-    The rank is `SLURM_PROCID` of `SLURM_NTASKS`, on node `SLURM_NODEID` as
-    task `SLURM_LOCALID`; rank 0 runs on the first node of the step
-    (`SLURM_STEP_NODELIST`, else `SLURM_JOB_NODELIST` / `SLURM_NODELIST`:
-    the job may hold nodes the step does not use). The port is `MASTER_PORT`
-    when set, else `15000 + the last 4 digits of SLURM_JOB_ID`, as Lightning
-    does, so every process finds it alone and two jobs rarely share one. An
-    interactive allocation (`SLURM_JOB_NAME` `bash` or `interactive`, as
-    `salloc` gives) is not a launched job: it is not detected, so processes
-    started in it by hand are read as their own launcher left them.
+    The rank is `SLURM_PROCID` of the step's `SLURM_STEP_NUM_TASKS`, on node
+    `SLURM_NODEID` as task `SLURM_LOCALID`; rank 0 runs on the first node of
+    the step (`SLURM_STEP_NODELIST`, else `SLURM_JOB_NODELIST` /
+    `SLURM_NODELIST`: the job may hold nodes the step does not use). The
+    port is `MASTER_PORT` when set, else `15000 + the last 4 digits of
+    SLURM_JOB_ID`, as Lightning does, so every process finds it alone and
+    two jobs rarely share one.
+
+    Only a task of an `srun` step is detected: srun sets `SLURM_STEP_ID` (a
+    normal step's number) and `SLURM_STEP_NUM_TASKS` in each task it starts
+    (`env_array_for_step` in SLURM's `src/common/env.c`). The batch script
+    of `sbatch` and the shell of `salloc` carry the allocation's
+    `SLURM_NTASKS` too, but they are one process: their `SLURM_STEP_ID` is
+    unset, or a special step's (`batch`, `interactive`, `extern`: 4294967290
+    and above in SLURM 20.11+, 4294967294 for `batch` before), so they run
+    alone, with a warning where `SLURM_NTASKS` asks for several tasks (the
+    script was meant for `srun python train.py`). This rule also covers
+    the `srun --pty bash` and `salloc` shells Lightning tells apart by their
+    job name, and, unlike that, an `srun` started inside `salloc`.
     """
 
     name = "slurm"
-    WORLD_SIZE_VAR = "SLURM_NTASKS"
+    #: The step's task count: srun sets it in each task (with `SLURM_NTASKS`).
+    WORLD_SIZE_VAR = "SLURM_STEP_NUM_TASKS"
     RANK_VAR = "SLURM_PROCID"
     LOCAL_RANK_VAR = "SLURM_LOCALID"
     NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    STEP_ID_VAR = "SLURM_STEP_ID"
+    #: SLURM's special steps (batch, extern, interactive) have ids from this
+    #: one up (`SLURM_MAX_NORMAL_STEP_ID` in `slurm.h`); srun's are below.
+    MAX_NORMAL_STEP_ID = 0xFFFFFFF0
     #: Lightning's rule: the port is this plus the job id's last 4 digits.
     PORT_BASE = 15000
 
     @classmethod
     def detect(cls, environ=None):
+        """Whether this process is a task of an `srun` step.
+
+        Outside one (an `sbatch` script, a `salloc` shell) a `SLURM_NTASKS`
+        above 1 warns once (`NotStartedBySrunWarning`) and the process runs
+        alone: waiting for tasks nobody started would hang the import.
+        """
         environ = os.environ if environ is None else environ
-        interactive = environ.get("SLURM_JOB_NAME") in ("bash", "interactive")
-        return bool(environ.get("SLURM_NTASKS")) and not interactive
+        if cls.in_srun_step(environ):
+            return True
+        _warn_if_several_tasks_were_meant(environ)
+        return False
+
+    @classmethod
+    def in_srun_step(cls, environ=None):
+        """Whether `SLURM_STEP_ID` is a normal step's and `SLURM_STEP_NUM_TASKS` set.
+
+        Args:
+            environ: the variables to read; `os.environ` when None.
+
+        Returns:
+            True in a task srun started; False in a batch script, a `salloc`
+            shell (with or without SLURM's interactive step), or outside
+            SLURM.
+        """
+        environ = os.environ if environ is None else environ
+        step = (environ.get(cls.STEP_ID_VAR) or "").strip()
+        normal = step.isdigit() and int(step) < cls.MAX_NORMAL_STEP_ID
+        return normal and bool((environ.get(cls.WORLD_SIZE_VAR) or "").strip())
 
     def node_rank(self):
         return self._int("SLURM_NODEID", required=False)
@@ -114,3 +155,30 @@ class SlurmEnvironment(ClusterEnvironment):
                 "start the step with srun --distribution=block",
             )
         return addresses
+
+
+class NotStartedBySrunWarning(UserWarning):
+    """`SLURM_NTASKS` asks for several tasks, but srun did not start this one."""
+
+
+#: Whether the warning was given: once per process, not at each detection.
+_warned = False
+
+
+def _warn_if_several_tasks_were_meant(environ):
+    global _warned
+    tasks = (environ.get("SLURM_NTASKS") or "").strip()
+    if _warned or not tasks.isdigit() or int(tasks) <= 1:
+        return
+    _warned = True
+    step = environ.get(SlurmEnvironment.STEP_ID_VAR)
+    warnings.warn(
+        f"keras_parallel: this SLURM job has SLURM_NTASKS={tasks}, but this "
+        "process is not a task of an srun step (an sbatch script or a salloc "
+        "shell), so it runs alone and joins no other process. Received: "
+        f"SLURM_NTASKS={tasks}, SLURM_STEP_ID={step!r}; start the script "
+        "with `srun python train.py` to run it as one training of "
+        f"{tasks} processes.",
+        NotStartedBySrunWarning,
+        stacklevel=2,
+    )

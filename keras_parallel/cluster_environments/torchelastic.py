@@ -13,6 +13,8 @@ class TorchElasticEnvironment(ClusterEnvironment):
 
     `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` are required;
     `LOCAL_RANK` (absent: None) and `GROUP_RANK` (the node) are read when set.
+    torchrun's own store holds `MASTER_PORT`: JAX's coordinator takes
+    `MASTER_PORT + 1` (`engine_variables.jax_coordinator_port`).
     """
 
     name = "torchelastic"

@@ -27,7 +27,6 @@ the same shuffle.
 """
 
 import contextlib
-import json
 import os
 
 import numpy as np
@@ -37,38 +36,15 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from keras_parallel import cluster_environments
 from keras_parallel.backends.tensorflow import DEVICES_ENV, strategies
 from keras_parallel.backends.tensorflow import devices as tf_devices
+from keras_parallel.cluster_environments import tf_config
 from keras_parallel.replacements import replaced
 
 _strategy = None
 
-
-def cluster_workers(environ=None):
-    """The worker addresses `TF_CONFIG` lists, and this worker's index.
-
-    Args:
-        environ: the environment to read; defaults to `os.environ`.
-
-    Returns:
-        `(addresses, index)`; `([], 0)` without a `TF_CONFIG`.
-
-    Raises:
-        ValueError: `TF_CONFIG` is not JSON with a `cluster.worker` list.
-    """
-    text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
-    if not text.strip():
-        return [], 0
-    try:
-        config = json.loads(text)
-        addresses = list(config.get("cluster", {}).get("worker", []))
-        index = int(config.get("task", {}).get("index", 0))
-    except (ValueError, AttributeError, TypeError) as error:
-        raise ValueError(
-            "TF_CONFIG is not a cluster description. Received: TF_CONFIG="
-            f"{text[:200]!r} ({error}); set it to JSON such as "
-            '{"cluster": {"worker": ["host0:12345", "host1:12345"]}, '
-            '"task": {"type": "worker", "index": 0}}.'
-        ) from None
-    return addresses, index
+# Read without TensorFlow (the import hook decides with them before
+# importing this module); kept here under their old names.
+cluster_workers = tf_config.cluster_workers
+wanted = tf_config.wanted
 
 
 def fill_tf_config(environ=None):
@@ -83,7 +59,8 @@ def fill_tf_config(environ=None):
 
     Returns:
         The names it set: `["TF_CONFIG"]`, or `[]` where it was set, no
-        environment is detected, or it names one process.
+        environment is detected (or `KERAS_PARALLEL_CLUSTER=off`), or it
+        names one process.
 
     Raises:
         ClusterEnvironmentError: a variable of the environment is wrong, or
@@ -97,17 +74,6 @@ def fill_tf_config(environ=None):
         return []
     environ.update(cluster_environments.environment_variables(env, "tensorflow"))
     return ["TF_CONFIG"]
-
-
-def wanted(environ=None):
-    """Whether `TF_CONFIG`, else the cluster environment, asks for several workers."""
-    environ = os.environ if environ is None else environ
-    if len(cluster_workers(environ)[0]) > 1:
-        return True
-    if environ.get("TF_CONFIG", "").strip():
-        return False  # The user's own TF_CONFIG wins.
-    env = cluster_environments.detect_cluster_environment(environ)
-    return env is not None and env.world_size() > 1
 
 
 def strategy():

@@ -1,0 +1,92 @@
+"""TensorFlow's `TF_CONFIG`, read without importing TensorFlow.
+
+`keras-parallel launch --backend tensorflow` sets it, and a user may (a
+Kubernetes job). keras_parallel makes one `MultiWorkerMirroredStrategy`
+over its workers, worker 0 the chief; a cluster with other roles (a
+`chief`, `ps` or `evaluator` task: parameter-server training, a side-car
+evaluator) is refused rather than read as workers it does not have.
+"""
+
+import json
+import os
+
+from keras_parallel.cluster_environments import detect_cluster_environment
+from keras_parallel.cluster_environments.base import environment_error
+from keras_parallel.cluster_environments.opt_out import OPT_OUT_VAR, opted_out
+
+#: The only task type keras_parallel's strategy runs.
+WORKER = "worker"
+_EXAMPLE = (
+    '{"cluster": {"worker": ["host0:12345", "host1:12345"]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
+
+
+def cluster_workers(environ=None):
+    """The worker addresses `TF_CONFIG` lists, and this worker's index.
+
+    Args:
+        environ: the environment to read; defaults to `os.environ`.
+
+    Returns:
+        `(addresses, index)`; `([], 0)` without a `TF_CONFIG`.
+
+    Raises:
+        ValueError: `TF_CONFIG` is not JSON with a `cluster.worker` list.
+        ClusterEnvironmentError: `TF_CONFIG` names a task type other than
+            `"worker"` (`chief`, `ps`, `evaluator`); a `ValueError` too.
+    """
+    text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
+    if not text.strip():
+        return [], 0
+    try:
+        config = json.loads(text)
+        cluster = config.get("cluster", {})
+        task = config.get("task", {})
+        addresses = list(cluster.get(WORKER, []))
+        index = int(task.get("index", 0))
+        roles = sorted(set(cluster) | {task.get("type", WORKER)})
+    except (ValueError, AttributeError, TypeError) as error:
+        raise ValueError(
+            "TF_CONFIG is not a cluster description. Received: TF_CONFIG="
+            f"{text[:200]!r} ({error}); set it to JSON such as {_EXAMPLE}."
+        ) from None
+    others = [role for role in roles if role != WORKER]
+    if others:
+        raise environment_error(
+            f"TF_CONFIG names a {others[0]!r} task, and keras_parallel "
+            'supports only clusters of "worker" tasks (one '
+            "MultiWorkerMirroredStrategy, worker 0 the chief)",
+            f"TF_CONFIG with the roles {roles} and this task's type "
+            f"{task.get('type', WORKER)!r}",
+            'list every process under "worker" (the first is the chief), or '
+            f"set {OPT_OUT_VAR}=off to leave TF_CONFIG to a strategy of your own",
+        )
+    return addresses, index
+
+
+def wanted(environ=None):
+    """Whether `TF_CONFIG`, else the cluster environment, asks for several workers.
+
+    Reads variables only: TensorFlow is not imported.
+
+    Args:
+        environ: the variables to read; `os.environ` when None.
+
+    Returns:
+        False where `KERAS_PARALLEL_CLUSTER=off`.
+
+    Raises:
+        ValueError: `TF_CONFIG` is wrong or names other roles than workers;
+            a variable of the cluster environment is wrong (a
+            `ClusterEnvironmentError`).
+    """
+    environ = os.environ if environ is None else environ
+    if opted_out(environ):
+        return False
+    if len(cluster_workers(environ)[0]) > 1:
+        return True
+    if environ.get("TF_CONFIG", "").strip():
+        return False  # The user's own TF_CONFIG wins.
+    env = detect_cluster_environment(environ)
+    return env is not None and env.world_size() > 1

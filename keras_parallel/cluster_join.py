@@ -1,0 +1,188 @@
+"""Joining a cluster's other processes once Keras is imported (JAX, TensorFlow).
+
+`keras_parallel/__init__.py` runs `join` as soon as Keras is imported
+(`keras_config.after_keras_import`), before the script's first Keras call:
+on JAX, `jax.distributed` starts (`backends/jax/runtime.py`); on
+TensorFlow, the multi-worker strategy (`backends/tensorflow/workers.py`).
+The rules, in order:
+
+- A join that failed fails again, with the same error: a second
+  `import keras` must not go on as one process unnoticed.
+- `KERAS_PARALLEL_CLUSTER=off`: nothing is read, nothing joined.
+- A child process inherits its parent's variables, rank included: a
+  `multiprocessing` worker (spawn, forkserver: `parent_process()` is set),
+  or any subprocess of a joined process (`KERAS_PARALLEL_JOINED_PID`, set
+  by the join, names another process) runs alone rather than take its
+  parent's place in the cluster.
+- Whether a cluster is wanted is read from the variables alone
+  (`cluster_environments`, `TF_CONFIG`): a backend module, and its checks of
+  Keras's internals, is imported only where one is.
+- An error is raised as `ClusterJoinError`, which names this join and the
+  opt-out, the original as its `__cause__`.
+- After a join, an uncaught exception prints its traceback under the
+  process's rank and ends the process at once (`sys.excepthook`): a
+  cluster's launcher does not end the others, and JAX's exit would wait
+  for them at its shutdown barrier for 5 minutes while they wait for this
+  one in a collective.
+"""
+
+import os
+import sys
+
+from keras_parallel import cluster_environments
+from keras_parallel.errors import ClusterJoinError
+
+#: Set by a join to the joined process's id; inherited by its children.
+JOINED_PID_VAR = "KERAS_PARALLEL_JOINED_PID"
+
+#: The join's error, raised again by every later `join`.
+_failure = None
+
+
+def join(backend):
+    """Joins this process to the others of its cluster job, once.
+
+    Args:
+        backend: Keras's backend name; only `"jax"` and `"tensorflow"` join
+            here (torch starts its process group at its first entry point).
+
+    Returns:
+        `(rank, world_size)` where this process joined several, else None.
+
+    Raises:
+        ClusterJoinError: the join failed, now or at an earlier call.
+    """
+    global _failure
+    if _failure is not None:
+        raise _failure
+    try:
+        placed = None
+        if may_join():
+            placed = _JOINS.get(backend, _nothing)()
+    except Exception as error:
+        _failure = _join_error(error)
+        raise _failure from error
+    if placed is not None:
+        install_excepthook(*placed)
+    return placed
+
+
+def may_join(environ=None):
+    """Whether this process may join a cluster from its variables.
+
+    Args:
+        environ: the variables to read; `os.environ` when None.
+
+    Returns:
+        False where `KERAS_PARALLEL_CLUSTER=off`, in a `multiprocessing`
+        child, and where `KERAS_PARALLEL_JOINED_PID` names another process
+        (a subprocess of one that joined).
+
+    Raises:
+        ClusterEnvironmentError: `KERAS_PARALLEL_CLUSTER` is neither `off`
+            nor `auto`.
+    """
+    import multiprocessing
+
+    environ = os.environ if environ is None else environ
+    if cluster_environments.opted_out(environ):
+        return False
+    if multiprocessing.parent_process() is not None:
+        return False
+    joined = (environ.get(JOINED_PID_VAR) or "").strip()
+    return not joined or joined == str(os.getpid())
+
+
+def _mark_joined():
+    # In the environment, so that every child started from now on inherits it.
+    os.environ[JOINED_PID_VAR] = str(os.getpid())
+
+
+def _nothing():
+    return None
+
+
+def _join_jax():
+    # `runtime` imports no other module of the backend: safe even while one
+    # of them, importing Keras, is half made.
+    from keras_parallel.backends.jax import runtime
+
+    arguments = runtime.cluster_arguments()
+    if arguments is None:
+        return None
+    _mark_joined()
+    if not runtime.initialize_from_environment():
+        return None
+    return arguments["process_id"], arguments["num_processes"]
+
+
+def _join_tensorflow():
+    from keras_parallel.cluster_environments import tf_config
+
+    if not tf_config.wanted():
+        return None
+    # Only now: it imports TensorFlow's strategies and checks Keras's
+    # internals (an `UnsupportedKerasError` is this join's error then).
+    from keras_parallel.backends.tensorflow import workers
+
+    _mark_joined()
+    strategy = workers.initialize_from_environment()
+    if strategy is None:
+        return None
+    return strategy.worker_index, strategy.num_workers
+
+
+_JOINS = {"jax": _join_jax, "tensorflow": _join_tensorflow}
+
+
+def _join_error(error):
+    """`error` as a `ClusterJoinError` naming the join and the opt-out."""
+    return ClusterJoinError(
+        "keras_parallel's cluster join failed while Keras was imported: this "
+        "process was started as one of several (srun, mpirun, torchrun, "
+        "KERAS_DISTRIBUTION_* or TF_CONFIG) and could not join the others. "
+        f"Received: {type(error).__name__}: {error} (cluster environment: "
+        f"{cluster_environments.describe_environment()}); fix what it names, "
+        f"or set {cluster_environments.OPT_OUT_VAR}=off to run each process "
+        "alone, without reading any cluster variable."
+    )
+
+
+def install_excepthook(rank, world_size):
+    """Makes an uncaught exception end this process at once, naming its rank.
+
+    Chains the `sys.excepthook` in place (which prints the traceback), then
+    exits with code 1 without running `atexit`: JAX's `atexit` shuts
+    `jax.distributed` down at a barrier of every process, where the others
+    never arrive while they wait for this one in a collective (5 minutes,
+    JAX's shutdown timeout). Exiting closes this process's connections, so
+    the others' collectives fail within seconds and they exit the same way.
+    Installed once.
+
+    Args:
+        rank: this process's rank, for the message.
+        world_size: how many processes joined.
+    """
+    if getattr(sys.excepthook, "_keras_parallel_rank", None) is not None:
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        try:
+            print(
+                f"keras_parallel: rank {rank} of {world_size} raised the "
+                "error below; it exits now, without waiting for the other "
+                "processes at the runtime's shutdown:",
+                file=sys.stderr,
+            )
+            previous(kind, value, traceback)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # A closed stream must not keep it alive.
+                    pass
+            os._exit(1)
+
+    excepthook._keras_parallel_rank = rank
+    sys.excepthook = excepthook
