@@ -196,3 +196,22 @@ def test_launch_names_a_process_killed_by_a_signal(capfd):
     assert code == 1
     assert "keras-parallel launch: process 0 was killed by signal 9 (SIGKILL)" in err
     assert "traceback" not in err
+
+
+def test_launch_started_by_a_joined_process_lets_its_processes_join(tmp_path):
+    # A joined process's children inherit KERAS_PARALLEL_JOINED_PID and run
+    # alone (cluster_join.may_join); a launcher started from one starts a
+    # group of its own, whose processes must not inherit it.
+    from keras_parallel.cluster_join import JOINED_PID_VAR
+    from keras_parallel.launcher import supervisor
+
+    seen = tmp_path / "env.txt"
+    write = (
+        "import os, sys; open(sys.argv[1], 'w').write("
+        f"repr((os.environ.get({JOINED_PID_VAR!r}), "
+        f"os.environ.get({supervisor.RESTART_ENV!r}))))"
+    )
+    env = dict(os.environ, **{JOINED_PID_VAR: "12345"})
+    code = supervisor.supervise([([sys.executable, "-c", write, str(seen)], env)])
+    assert code == 0
+    assert seen.read_text() == repr((None, "0"))

@@ -77,12 +77,25 @@ def _run_group(commands, attempt, stopped, label):
     processes = []
     try:
         for argv, env in commands:
-            processes.append(
-                subprocess.Popen(argv, env=dict(env, **{RESTART_ENV: str(attempt)}))
-            )
+            processes.append(subprocess.Popen(argv, env=_process_env(env, attempt)))
         return _wait(processes, stopped, label)
     finally:
         _end(processes)
+
+
+def _process_env(env, attempt):
+    """`env` for one process of attempt `attempt`.
+
+    Drops `KERAS_PARALLEL_JOINED_PID`: a launcher started from a process
+    that joined a cluster starts a group of its own, whose processes must
+    join each other rather than run alone as that process's children
+    (`keras_parallel.cluster_join.may_join`).
+    """
+    from keras_parallel.cluster_join import JOINED_PID_VAR
+
+    env = {k: v for k, v in env.items() if k != JOINED_PID_VAR}
+    env[RESTART_ENV] = str(attempt)
+    return env
 
 
 def _wait(processes, stopped, label):
