@@ -148,12 +148,20 @@ def start_two(
 
     command = (
         f"{assign(0)} {run} & first=$!; {assign(1)} {run}; second=$?; "
-        'wait "$first"; exit $(( $? | second ))'
+        'wait "$first"; first=$?; echo "exit codes: $first $second" >&2; '
+        "exit $(( first | second ))"
     )
     try:
         return run_in_session(["bash", "-c", command], env, timeout)
     finally:
         assert not gone(str(out)), "a process outlived the test"
+
+
+def exit_codes(result):
+    """Each process's exit code, rank order, from `start_two`'s result."""
+    line = [x for x in result.stderr.splitlines() if x.startswith("exit codes: ")]
+    assert line, result.stderr[-3000:]
+    return [int(code) for code in line[-1].split()[2:]]
 
 
 def results(out):

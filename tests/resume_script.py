@@ -6,8 +6,15 @@ dropout, Adam and a shuffled, uneven 203-sample epoch for 4 epochs under
 process 0's final weights to `OUT/weights.npz`. With `KILL="self"` process
 0 writes `OUT/killpoint` at epoch 2, batch 3 and kills itself with
 SIGKILL; with `KILL="wait"` it writes it and waits to be killed (the test
-kills every process, or the launcher). Once `OUT/killpoint` exists, no
-process is killed again (a restarted run trains to the end). Run directly (one process) or through
+kills every process, or the launcher). With `KILL="SIGTERM:1"` (any signal,
+any rank) that process writes it and sends itself the signal, a
+preemption: the processes stop at one step, write the backup and exit with
+75; with `KILL="SIGTERM:launcher"` process 0 sends it to its parent, the
+launcher. Once `OUT/killpoint` exists, no
+process is killed again (a restarted run trains to the end). The model's
+first layer is a `split_probe` probe; each process writes the rows it
+recorded to `OUT/records<rank>-<run>.json` (the run: how many killpoints
+existed at its start, 0 or 1). Run directly (one process) or through
 `keras-parallel launch`. The tests import `build` and `train` for the
 uninterrupted reference.
 """
@@ -20,6 +27,7 @@ import time
 
 import keras
 import numpy as np
+import split_probe
 
 import keras_parallel
 
@@ -31,10 +39,11 @@ class Net(keras_parallel.DistributedModel, keras.Model):
     pass
 
 
-def build(distributed=True):
+def build(distributed=True, probe=False):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((16,))
-    x = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+    x = split_probe.probe()(inputs) if probe else inputs
+    x = keras.layers.Dense(32, activation="relu", name="d1")(x)
     x = keras.layers.Dropout(0.3, seed=3)(x)
     model = Net(inputs, keras.layers.Dense(8, name="d2")(x), name="net")
     model.compile(
@@ -79,35 +88,53 @@ class Kill(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         marker = os.path.join(self.out, "killpoint")
-        if (self.epoch, batch) != KILL_AT or not _is_chief():
+        name, _, rank = self.how.partition(":")
+        chosen = _rank() == int(rank) if rank.isdigit() else _is_chief()
+        if (self.epoch, batch) != KILL_AT or not chosen:
             return
         if os.path.exists(marker):
             return  # Killed once already: this is the restarted run.
         with open(marker, "w") as f:
-            f.write(str(os.getpid()))
+            f.write(f"{os.getpid()} {time.time()}")
         if self.how == "self":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif name.startswith("SIG"):
+            # One process (preempted at an agreed step), or the launcher
+            # that started this one (`SIGTERM:launcher`, chosen: rank 0).
+            target = os.getppid() if rank == "launcher" else os.getpid()
+            os.kill(target, getattr(signal, name))
+            return
         time.sleep(300)
 
 
-def _is_chief():
+def _rank():
     backend = keras.backend.backend()
     if backend == "jax":
         import jax
 
-        return jax.process_index() == 0
+        return jax.process_index()
     if backend == "torch":
-        return int(os.environ.get("RANK", "0")) == 0
+        return int(os.environ.get("RANK", "0"))
     config = json.loads(os.environ.get("TF_CONFIG", "{}"))
-    return config.get("task", {}).get("index", 0) == 0
+    return config.get("task", {}).get("index", 0)
+
+
+def _is_chief():
+    return _rank() == 0
 
 
 def main(out, backup, kill=None):
-    model = build()
+    run = int(os.path.exists(os.path.join(out, "killpoint")))
+    model = build(probe=True)
     callbacks = [keras.callbacks.BackupAndRestore(backup)]
     if kill:
         callbacks.append(Kill(out, kill))
-    train(model, callbacks)
+    split_probe.clear()
+    try:
+        train(model, callbacks)
+    finally:
+        with open(os.path.join(out, f"records{_rank()}-{run}.json"), "w") as f:
+            json.dump(split_probe.records(), f)
     weights = model.get_weights()
     if _is_chief():
         np.savez(os.path.join(out, "weights.npz"), *weights)

@@ -247,3 +247,24 @@ def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterru
     expected, rtol = uninterrupted
     assert_weights_equal(final_weights(tmp_path), expected, rtol)
     assert running(str(tmp_path)) == []
+
+
+def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
+    tmp_path, uninterrupted
+):
+    # A scheduler's SIGTERM to `keras-parallel launch` reaches every
+    # process, which stop at one step with the backup written (exit code
+    # 75); the launcher exits with 75 and does not restart them.
+    backup = tmp_path / "backup"
+    result = run_in_session(
+        command(2, tmp_path, backup, "SIGTERM:launcher", restarts=1),
+        checkout_env(KERAS_BACKEND=BACKEND),
+        TIMEOUT_S,
+    )
+    assert result.returncode == 75, result.stderr[-4000:]
+    assert "preempted: every " in result.stderr
+    assert "stopped at the same step" in result.stderr
+    assert "restart" not in result.stderr.lower(), result.stderr[-4000:]
+    assert os.path.exists(backup / "training_metadata.json")
+    assert running(str(tmp_path)) == []
+    resume_and_compare(tmp_path, backup, uninterrupted)

@@ -358,6 +358,22 @@ class Executor(abc.ABC):
         """Waits until every process gets here."""
         self._single_process_only("barrier")
 
+    def key_value_store(self):
+        """The processes' key-value store: `set(key, value)`, `try_get(key)`.
+
+        Not a collective: a process reads and writes it alone, while the
+        others train (the preemption agreement's channel). Values are
+        strings; `try_get` returns None for a key not written yet.
+
+        Raises:
+            NotImplementedError: several processes run and this backend has
+                no store.
+        """
+        from keras_parallel.persistence.stop_agreement import LocalStore
+
+        self._single_process_only("key-value store")
+        return LocalStore()
+
     def share_host_random_state(self):
         """Gives every process process 0's host random state.
 

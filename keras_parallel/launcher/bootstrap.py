@@ -22,6 +22,8 @@ import runpy
 import sys
 import traceback
 
+from keras_parallel.persistence.preemption_settings import PREEMPTED_EXIT_CODE
+
 
 def main(argv=None):
     """Starts the runtime, then runs `argv[0]` with `argv` as `sys.argv`."""
@@ -78,9 +80,28 @@ def _run_torch(argv):
     @record
     def run():
         sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exit_:
+            if exit_.code == PREEMPTED_EXIT_CODE:
+                _mark_preempted()
+            raise
 
     run()
+
+
+#: The folder where each rank a preemption stopped leaves a file, set by
+#: `keras-parallel launch` (torch): torchrun, stopped by the same signal,
+#: does not report the ranks' exit codes.
+PREEMPTED_MARKS_ENV = "KERAS_PARALLEL_PREEMPTED_MARKS"
+
+
+def _mark_preempted():
+    marks = os.environ.get(PREEMPTED_MARKS_ENV)
+    if marks and os.path.isdir(marks):
+        rank = os.environ.get("RANK", str(os.getpid()))
+        with open(os.path.join(marks, f"rank{rank}"), "w"):
+            pass
 
 
 def _exit(code):

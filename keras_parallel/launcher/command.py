@@ -21,9 +21,10 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 
 from keras_parallel import keras_config
-from keras_parallel.launcher import supervisor
+from keras_parallel.launcher import bootstrap, supervisor
 from keras_parallel.launcher.checks import check_positive, check_script
 
 _USAGE = (
@@ -114,6 +115,43 @@ def main(argv=None):
     except (ValueError, ImportError) as error:
         print(f"keras-parallel launch: error: {_message(error)}", file=sys.stderr)
         return 2
+    with tempfile.TemporaryDirectory(prefix="keras_parallel-preempted-") as marks:
+        # Each rank that a preemption stopped leaves a file here (the
+        # bootstrap): torchrun reports no rank's exit code when it was
+        # itself stopped by the signal.
+        os.environ[bootstrap.PREEMPTED_MARKS_ENV] = marks
+        code = _run_torchrun(run, torchrun_args, SignalException, ChildFailedError)
+        if code != 0 and _every_rank_preempted(marks, torchrun_args):
+            print(
+                "keras-parallel launch: preempted: every rank stopped at the "
+                "same step (exit code 75); run the same command to resume "
+                "from its backup.",
+                file=sys.stderr,
+            )
+            return bootstrap.PREEMPTED_EXIT_CODE
+        return code
+
+
+def _every_rank_preempted(marks, torchrun_args):
+    """Whether every rank of this node left its preemption mark."""
+    local = _option_value(torchrun_args, ("--nproc-per-node", "--nproc_per_node"), "1")
+    try:
+        return len(os.listdir(marks)) >= int(local)
+    except ValueError:  # "auto", "gpu": the ranks' count is torchrun's.
+        return False
+
+
+def _option_value(args, names, default):
+    """The value of the option spelled as one of `names` (`=` or a word)."""
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in names:
+            return value if value else (args[i + 1] if i + 1 < len(args) else default)
+    return default
+
+
+def _run_torchrun(run, torchrun_args, SignalException, ChildFailedError):
+    """Runs torchrun; returns the launcher's exit code."""
     try:
         with _signals_end_every_rank(SignalException) as received:
             run.run(run.parse_args(torchrun_args))

@@ -18,6 +18,11 @@ import subprocess
 import sys
 import time
 
+from keras_parallel.persistence.preemption_settings import (
+    PREEMPTED_EXIT_CODE,
+    grace_seconds,
+)
+
 #: Seconds the other processes get to stop by themselves after one failed.
 #: A JAX process waiting in a collective for a dead peer does not stop by
 #: itself (seen: still waiting after 10 s), so longer only delays the end.
@@ -56,7 +61,9 @@ def supervise(commands, label="process", max_restarts=0):
         for attempt in range(max_restarts + 1):
             group = commands(attempt) if callable(commands) else commands
             code = _run_group(group, attempt, stopped, label)
-            if code == 0 or stopped or attempt == max_restarts:
+            if code in (0, PREEMPTED_EXIT_CODE) or stopped or attempt == max_restarts:
+                # A preempted group is not restarted: its machines are
+                # going away; the same command resumes it later.
                 return code
             print(
                 f"keras-parallel launch: starting every {label} again (restart "
@@ -101,18 +108,29 @@ def _process_env(env, attempt):
 def _wait(processes, stopped, label):
     failed_at = None
     failure = None
+    preempted_at = None
+    forwarded = False
     while True:
-        if stopped:
+        codes = [p.poll() for p in processes]
+        if stopped and not forwarded:
+            # Passed on at once, and each process gets the preemption's
+            # time to stop at an agreed step and write its backup (a
+            # scheduler's SIGTERM to the launcher is a preemption).
+            forwarded = True
+            preempted_at = time.monotonic()
             print(
                 f"keras-parallel launch: stopped by signal {stopped[0]}; "
-                f"ending every {label}.",
+                f"passing it to every {label}.",
                 file=sys.stderr,
             )
-            return 128 + stopped[0]
-        codes = [p.poll() for p in processes]
+            for process, code in zip(processes, codes, strict=True):
+                if code is None:
+                    process.send_signal(stopped[0])
         if failure is None:
             for rank, code in enumerate(codes):
-                if code not in (None, 0):
+                if code == PREEMPTED_EXIT_CODE and preempted_at is None:
+                    preempted_at = time.monotonic()
+                elif code not in (None, 0, PREEMPTED_EXIT_CODE):
                     failure = (rank, code)
                     failed_at = time.monotonic()
                     print(
@@ -125,11 +143,41 @@ def _wait(processes, stopped, label):
             break
         if failure is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
             break
+        if preempted_at is not None and time.monotonic() - preempted_at > (
+            preemption_wait_s()
+        ):
+            break
         time.sleep(0.1)
+    if failure is None and codes and all(c == PREEMPTED_EXIT_CODE for c in codes):
+        print(
+            f"keras-parallel launch: preempted: every {label} stopped at the "
+            "same step (exit code 75); run the same command to resume from "
+            "its backup.",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
+    if stopped:
+        return 128 + stopped[0]
     if failure is None:
+        if preempted_at is not None:
+            print(
+                f"keras-parallel launch: a {label} was preempted and the "
+                "others did not stop in time; ending them.",
+                file=sys.stderr,
+            )
+            return PREEMPTED_EXIT_CODE
         return 0
     code = failure[1]
     return code if code > 0 else 1
+
+
+def preemption_wait_s():
+    """How long the processes get to stop after a preemption: the
+    preemption grace (`KERAS_PARALLEL_PREEMPTION_GRACE`) and 10 s more."""
+    try:
+        return grace_seconds() + 10.0
+    except ValueError:
+        return 30.0
 
 
 def how_it_ended(code, raised=False):

@@ -1,17 +1,19 @@
 """Preemption: a signal ends `fit` at a step every process agrees on, backed up.
 
-In one process for now (across processes a signal keeps its own
-meaning; see `install`). A cluster warns a job before it kills it: SLURM sends SIGTERM (and, with
-`--signal=USR1@90`, SIGUSR1 ahead of time), Kubernetes sends SIGTERM. While
-a keras_parallel entry point runs, `PreemptionWatch` turns those signals
-into a flag (the handler does nothing else: it may run in the middle of a
-collective). After every training batch the processes agree whether any of
-them got one (a sum over processes of the flags: every process stops at
-the same step, whichever got the signal). Then, at that step:
+A cluster warns a job before it kills it: SLURM sends SIGTERM (and, with
+`--signal=USR1@90`, SIGUSR1 ahead of time), Kubernetes sends SIGTERM, to
+one process or to all. While a keras_parallel entry point runs,
+`PreemptionWatch` turns those signals into a flag (the handler does
+nothing else: it may run in the middle of a collective). At the next batch
+end the processes agree on the step at which all of them stop
+(`stop_agreement.py`: through the runtime's key-value store, no collective
+per batch; one process stops at the batch end right after its signal).
+Then, at that step:
 
 - the `keras.callbacks.BackupAndRestore` in `fit`'s callbacks writes its
   backup there (keras_parallel's exact one: `persistence/backup.py`, mid-
-  epoch included), so that the same command resumes where it stopped;
+  epoch included), every process waits until it is written, so that the
+  same command resumes where it stopped;
 - `fit` raises `Preempted`, a `SystemExit` with code `PREEMPTED_EXIT_CODE`
   (75, `EX_TEMPFAIL`: "try again later"): no epoch-end callback runs (the
   epoch is not over) and the backup is not deleted (`BackupAndRestore`
@@ -20,8 +22,9 @@ the same step, whichever got the signal). Then, at that step:
 
 Without a `BackupAndRestore` in `fit` the run still stops and exits with
 that code, and says that nothing was saved. A process that reaches no
-batch end within `KERAS_PARALLEL_PREEMPTION_GRACE` seconds (default 20)
-of the signal ends as the signal would have ended it.
+agreed stop within `KERAS_PARALLEL_PREEMPTION_GRACE` seconds (default 20)
+of its signal ends as the signal would have ended it; so does one whose
+entry point ends (the last batch trained) before the agreed step.
 """
 
 import os
@@ -33,22 +36,14 @@ import time
 from keras import callbacks
 from keras.callbacks import CallbackList
 
+from keras_parallel.persistence import signal_actions
+from keras_parallel.persistence.preemption_settings import (
+    PREEMPTED_EXIT_CODE,
+    grace_seconds,
+    preemption_signals,
+)
+from keras_parallel.persistence.stop_agreement import StopAgreement
 from keras_parallel.replacements import Replacements
-
-#: The exit code of a preempted run (sysexits.h's EX_TEMPFAIL): the job
-#: was stopped on request and resumes when started again.
-PREEMPTED_EXIT_CODE = 75
-
-#: The environment variable naming the signals that preempt (comma-separated
-#: names); SIGTERM and SIGUSR1 unless set. `none` turns the watch off.
-SIGNALS_VARIABLE = "KERAS_PARALLEL_PREEMPTION_SIGNALS"
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-#: The environment variable giving the seconds a process may take, after
-#: the signal, to reach the end of a batch (default `DEFAULT_GRACE_S`).
-GRACE_VARIABLE = "KERAS_PARALLEL_PREEMPTION_GRACE"
-#: Under the 30 s SLURM (`KillWait`) and Kubernetes
-#: (`terminationGracePeriodSeconds`) leave between SIGTERM and SIGKILL.
-DEFAULT_GRACE_S = 20.0
 
 
 class Preempted(SystemExit):
@@ -74,65 +69,47 @@ class Preempted(SystemExit):
         return self.message
 
 
-def preemption_signals(environ=None):
-    """The signals that preempt, from `KERAS_PARALLEL_PREEMPTION_SIGNALS`.
-
-    Args:
-        environ: the environment to read; `os.environ` if None.
-
-    Returns:
-        A tuple of `signal.Signals` (empty when the variable says `none`).
-
-    Raises:
-        ValueError: the variable names a signal this system does not have.
-    """
-    environ = os.environ if environ is None else environ
-    text = environ.get(SIGNALS_VARIABLE, ",".join(DEFAULT_SIGNALS)).strip()
-    if text.lower() in ("none", "off", ""):
-        return ()
-    found = []
-    for name in (part.strip().upper() for part in text.split(",")):
-        name = name if name.startswith("SIG") else f"SIG{name}"
-        number = getattr(signal, name, None)
-        if not isinstance(number, signal.Signals):
-            raise ValueError(
-                f"{SIGNALS_VARIABLE} names a signal this system does not have. "
-                f"Received: {text!r}; name signals such as SIGTERM,SIGUSR1, "
-                "or `none` to turn the preemption watch off."
-            )
-        found.append(number)
-    return tuple(found)
-
-
 class PreemptionWatch:
-    """Installs the signal handlers and the per-batch agreement while an
-    entry point runs.
+    """Installs the signal handlers and the stop agreement while an entry
+    point runs.
 
     Args:
-        executor: the binding's executor (its processes and their sum).
+        executor: the binding's executor (its processes and their store).
     """
+
+    #: Entry points watched so far in this process: every process counts
+    #: the same ones, so the count names one entry point's keys in the
+    #: processes' store.
+    _entries = 0
 
     def __init__(self, executor):
         self.executor = executor
         self.received = None
+        self.agreement = None
+        self._step = -1
+        self._stopped = False
         self._timer = None
         self._at_epoch_end = None
-        self._previous = {}
+        self._installed = {}
         self._replacements = Replacements()
 
     def install(self):
         if threading.current_thread() is not threading.main_thread():
             return  # Python sets signal handlers in the main thread only.
-        if self.executor.num_processes > 1:
-            # Not yet across processes: the agreement after every batch is a
-            # collective, which changes which process a launcher names
-            # first when one fails; until that is handled and tested, a
-            # signal keeps its own meaning there.
+        PreemptionWatch._entries += 1
+        numbers = preemption_signals()
+        if not numbers:
             return
-        for number in preemption_signals():
-            self._previous[number] = signal.signal(number, self._on_signal)
-        if not self._previous:
-            return
+        self.agreement = StopAgreement(
+            self.executor.key_value_store(),
+            self.executor.process_index,
+            self.executor.num_processes,
+            prefix=str(PreemptionWatch._entries),
+            timeout=grace_seconds(),
+        )
+        for number in numbers:
+            self._installed[number] = signal_actions.install(number, self._on_signal)
+        self.agreement.start()
         keras_batch_end = CallbackList.on_train_batch_end
         keras_epoch_end = CallbackList.on_epoch_end
         watch = self
@@ -160,37 +137,46 @@ class PreemptionWatch:
 
     def uninstall(self):
         self._cancel_grace()
+        if self.agreement is not None:
+            self.agreement.close()
         self._replacements.restore()
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
-        self._previous = {}
+        for number, installed in self._installed.items():
+            signal_actions.restore(number, installed)
+        self._installed = {}
 
     def __enter__(self):
         self.install()
         return self
 
     def __exit__(self, error_type, error, traceback):
+        pending = self.received if not self._stopped else None
         self.uninstall()
-        if error is not None and not isinstance(error, Preempted) and self.received:
-            # The entry point failed after a signal came: a launcher ending
-            # the group because another process failed (torchrun sends
-            # SIGTERM then). The signal keeps its own meaning, as it would
-            # have without this watch, so the launcher names the process
-            # that failed first.
-            os.kill(os.getpid(), self.received)
+        if pending is not None and not isinstance(error, Preempted):
+            # The signal came and the run did not stop for it: the entry
+            # point failed after it (a launcher ending the group because
+            # another process failed: torchrun sends SIGTERM then), or
+            # ended before the agreed step. The signal keeps its own
+            # meaning, as it would have without this watch: a launcher
+            # names the process that failed first, a scheduler's stop
+            # ends the process.
+            os.kill(os.getpid(), pending)
         return False
 
     def _on_signal(self, number, frame):
         if self.received is not None:
             # A second signal (or the grace ran out): the signal's own
             # meaning, now.
-            previous = self._previous.get(number)
-            signal.signal(number, previous if callable(previous) else signal.SIG_DFL)
+            installed = self._installed.pop(number, None)
+            if installed is not None:
+                signal_actions.restore(number, installed)
+            else:
+                signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
             return
         self.received = signal.Signals(number)
-        grace = float(os.environ.get(GRACE_VARIABLE, DEFAULT_GRACE_S))
-        self._timer = threading.Timer(grace, self._grace_ran_out, args=(number,))
+        self._timer = threading.Timer(
+            grace_seconds(), self._grace_ran_out, args=(number,)
+        )
         self._timer.daemon = True
         self._timer.start()
 
@@ -200,10 +186,12 @@ class PreemptionWatch:
             timer.cancel()
 
     def _grace_ran_out(self, number):
-        """No batch ended within the grace (a process waiting on something
-        else): the signal is sent again, which the handler turns into its
-        own meaning; a main thread that runs no Python code for 5 s more
-        (stuck in a native call) ends with the signal's exit status."""
+        """No agreed stop within the grace (another process that does not
+        answer, a batch that does not end): the signal is sent again, which
+        the handler turns into its own meaning; a main thread that runs no
+        Python code for 5 s more (stuck in a native call), or a native
+        handler that only records the signal, ends with the signal's exit
+        status."""
         if self._timer is None:
             return  # The watch ended in time (cancelled as it fired).
         os.kill(os.getpid(), number)
@@ -212,12 +200,11 @@ class PreemptionWatch:
             os._exit(128 + number)
 
     def agreed_to_stop(self):
-        """Whether any process got a preemption signal (a collective when
-        several processes run: every one calls it after every batch)."""
-        flag = 1.0 if self.received is not None else 0.0
-        if self.executor.num_processes == 1:
-            return bool(flag)
-        return float(self.executor.reduce(flag, op="sum")) > 0
+        """Whether every process stops after this batch (every process
+        calls it after every batch; no collective)."""
+        self._step += 1
+        signalled = self.received.name if self.received is not None else None
+        return self.agreement.should_stop(self._step, signalled)
 
     def stop(self, callback_list, batch, epoch_ended=False):
         """Writes the backup at this step and raises `Preempted`.
@@ -228,6 +215,7 @@ class PreemptionWatch:
             epoch_ended: the epoch's end ran (its last batch was the one):
                 the backup resumes at the next epoch.
         """
+        self._stopped = True
         model = callback_list.model
         backup = next(
             (
@@ -238,12 +226,6 @@ class PreemptionWatch:
             None,
         )
         epoch = getattr(backup, "_kp_epoch", None)
-        here = self.received.name if self.received is not None else None
-        cause = (
-            f"{here} reached process {self.executor.process_index}"
-            if here
-            else "another process got a preemption signal"
-        )
         if backup is not None:
             if not epoch_ended:
                 backup._last_batch_seen = batch
@@ -259,12 +241,26 @@ class PreemptionWatch:
                 "to fit's callbacks to resume from here"
             )
             directory = None
+        if self.executor.num_processes > 1:
+            # No process exits before the backup is whole: a launcher ends
+            # the others when one exits.
+            self.executor.barrier()
         message = (
-            f"keras_parallel: preempted ({cause}): stopped after batch {batch}"
+            f"keras_parallel: preempted ({self._cause()}): stopped after batch "
+            f"{batch}"
             + (f" of epoch {epoch}" if epoch is not None else "")
             + f"; {said}. Exiting with code {PREEMPTED_EXIT_CODE}."
         )
-        if self.executor.is_chief or here:
+        if self.executor.is_chief or self.received is not None:
             print(message, file=sys.stderr, flush=True)
         model.stop_training = True
         raise Preempted(message, epoch, batch, directory)
+
+    def _cause(self):
+        """Which process got which signal, for the message."""
+        if self.received is not None:
+            return f"{self.received.name} reached process {self.executor.process_index}"
+        rank, name = self.agreement.noticed or (None, None)
+        if rank is not None and name:
+            return f"{name} reached process {rank}"
+        return "another process got a preemption signal"

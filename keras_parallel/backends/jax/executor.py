@@ -309,6 +309,11 @@ class JaxExecutor(Executor):
     def barrier(self):
         processes.barrier()
 
+    def key_value_store(self):
+        if not processes.is_multi_process():
+            return super().key_value_store()
+        return processes.CoordinationStore()
+
 
 def _laid_out_across_processes(value, sharding):
     """Whether `value` is a global array laid out by `sharding` already."""

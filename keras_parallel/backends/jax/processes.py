@@ -96,6 +96,33 @@ def reduce_sum(value):
     return np.asarray(gathered).sum(axis=0)
 
 
+class CoordinationStore:
+    """`jax.distributed`'s key-value store (its coordination service).
+
+    Reached through `jax._src.distributed.global_state.client`, the client
+    `jax.distributed.initialize` made: JAX gives it no public name (its own
+    `multihost_utils` and Orbax read it there). Its `key_value_set` (with
+    `allow_overwrite`) and `key_value_try_get` are in every JAX we claim
+    (0.7 and later).
+    """
+
+    def __init__(self):
+        from jax._src import distributed
+
+        self._client = distributed.global_state.client
+
+    def set(self, key, value):
+        self._client.key_value_set(key, value, allow_overwrite=True)
+
+    def try_get(self, key):
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception as error:  # JaxRuntimeError, named NOT_FOUND.
+            if "NOT_FOUND" in str(error):
+                return None
+            raise
+
+
 def barrier():
     """Waits until every process gets here."""
     if is_multi_process():

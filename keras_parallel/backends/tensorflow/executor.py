@@ -262,6 +262,11 @@ class TensorFlowExecutor(Executor):
         if workers is not None:
             tf_workers.sum_over_workers(workers, 0.0)
 
+    def key_value_store(self):
+        if _workers() is None:
+            return super().key_value_store()
+        return tf_workers.CoordinationStore()
+
     # ----------------------------------------------------------- helpers
     def _mesh_devices(self):
         devices = np.asarray(self.distribution.device_mesh.devices).flat

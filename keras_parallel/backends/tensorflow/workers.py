@@ -220,6 +220,31 @@ def broadcast_bytes(strategy, payload, src=0):
     return data.tobytes()
 
 
+class CoordinationStore:
+    """The workers' key-value store: TensorFlow's coordination service,
+    which `MultiWorkerMirroredStrategy` starts."""
+
+    #: A read waits this long for a key not written yet (TensorFlow has no
+    #: read that returns at once; 0 would wait for ever).
+    READ_WAIT_MS = 1
+
+    def set(self, key, value):
+        from tensorflow.python.eager import context
+
+        try:
+            context.context().set_config_key_value(key, value)
+        except tf.errors.AlreadyExistsError:
+            pass  # Written once: a second writer's value says the same.
+
+    def try_get(self, key):
+        from tensorflow.python.eager import context
+
+        try:
+            return context.context().get_config_key_value(key, self.READ_WAIT_MS)
+        except (tf.errors.DeadlineExceededError, tf.errors.NotFoundError):
+            return None
+
+
 def _numpy_shuffle(value, seed=None, name=None):
     """`tf.random.shuffle` drawn from NumPy's global state (see `numpy_shuffles`)."""
 

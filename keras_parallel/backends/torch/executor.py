@@ -372,6 +372,11 @@ class TorchExecutor(Executor):
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def key_value_store(self):
+        if self.num_processes == 1:
+            return super().key_value_store()
+        return torch_group.KeyValueStore()
+
     def barrier(self):
         if self.num_processes > 1:
             dist.barrier()

@@ -226,6 +226,32 @@ def _store():
         return None
 
 
+class KeyValueStore:
+    """The process group's store (torchrun's or the rendezvous TCPStore).
+
+    Raises:
+        RuntimeError: the process group has no store this torch exposes.
+    """
+
+    def __init__(self):
+        self._store = _store()
+        if self._store is None:
+            raise RuntimeError(
+                "torch's process group has no key-value store to agree on a "
+                "preemption stop. Received: torch "
+                f"{torch.__version__}; set KERAS_PARALLEL_PREEMPTION_SIGNALS="
+                "none to train without the preemption watch."
+            )
+
+    def set(self, key, value):
+        self._store.set(key, value)
+
+    def try_get(self, key):
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode()
+
+
 def publish_failure(rank, error):
     """Leaves `"<rank>: <error>"` in the store, first failure wins.
 

@@ -1,0 +1,174 @@
+"""Every process agrees on the step at which to stop, without a collective.
+
+A preemption signal reaches one process (or several, at different steps)
+while the others train on; they must all stop after the same batch. A
+collective after every batch would decide it, but it costs a round trip
+per batch and, worse, turns another process's failure into this one's (its
+collective fails first, and the launcher names it). Here the processes
+agree through their runtime's key-value store instead (JAX's and
+TensorFlow's coordination service, torch's rendezvous store), with the
+protocol of JAX's own preemption sync manager:
+
+1. The process that got the signal, at its next batch end, writes a
+   notice to the store.
+2. Each process, once it sees the notice (a watcher thread polls for it;
+   the signalled process at once), writes the last step it has answered,
+   holding a lock that keeps its main thread from answering another step
+   until step 3 is done, and waits until every process has written its own.
+3. The stop step is the largest of those plus one: no process has answered
+   it yet, and every process reaches it (they train in step with each
+   other, whose collectives need all of them).
+
+No process's main thread waits for another's: every process's watcher
+writes its step on its own thread, even while its main thread is inside a
+step's collective. Where a process does not answer within the timeout (it
+died), no stop step is set: the others fail at their next collective as
+without this protocol, and the signalled process ends by its signal when
+its grace runs out.
+"""
+
+import threading
+import time
+
+#: Seconds between two looks of the watcher thread for a notice.
+POLL_S = 0.1
+
+
+class LocalStore:
+    """A key-value store of one process (a dict), for a run of one process."""
+
+    def __init__(self):
+        self._values = {}
+
+    def set(self, key, value):
+        self._values[key] = value
+
+    def try_get(self, key):
+        return self._values.get(key)
+
+
+class StopAgreement:
+    """The agreed stop step of one entry point's processes.
+
+    Args:
+        store: the processes' key-value store: `set(key, value)` and
+            `try_get(key)` (the value, or None), values strings.
+        rank: this process's index.
+        num_processes: how many processes agree.
+        prefix: the keys' prefix, one per entry point (the processes' same
+            count of entry points so far: keys of an earlier run are never
+            read).
+        timeout: seconds to wait for every process's step.
+
+    Example:
+
+    ```python
+    agreement = StopAgreement(LocalStore(), 0, 1, "fit-1", timeout=20.0)
+    agreement.start()
+    agreement.should_stop(step=0, signalled="SIGTERM")  # True: one process
+    agreement.close()
+    ```
+    """
+
+    def __init__(self, store, rank, num_processes, prefix, timeout):
+        self.store = store
+        self.rank = rank
+        self.num_processes = num_processes
+        self.prefix = prefix
+        self.timeout = timeout
+        #: The agreed stop step, once known.
+        self.stop_step = None
+        #: Who got the signal, from the notice: `(rank, signal name)`.
+        self.noticed = None
+        #: Why no stop step could be agreed, if so.
+        self.failure = None
+        self._lock = threading.Lock()
+        self._answered = -1
+        self._agreed = False
+        self._closed = threading.Event()
+        self._watcher = None
+
+    def _key(self, name):
+        return f"keras_parallel/stop/{self.prefix}/{name}"
+
+    def start(self):
+        """Starts the watcher thread (several processes only)."""
+        if self.num_processes > 1:
+            self._watcher = threading.Thread(
+                target=self._watch, name="keras_parallel-stop-watch", daemon=True
+            )
+            self._watcher.start()
+
+    def close(self):
+        """Stops the watcher thread; waits for it (at most one poll)."""
+        self._closed.set()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.join(timeout=POLL_S * 10)
+
+    def should_stop(self, step, signalled=None):
+        """Whether every process stops after `step`; call at every batch end.
+
+        Args:
+            step: this batch end's number within the entry point (0, 1, ...).
+            signalled: the name of the signal this process got, if any.
+
+        Returns:
+            True at the agreed stop step (the same on every process).
+        """
+        with self._lock:
+            if signalled and not self._agreed:
+                self.store_notice(signalled)
+                self._agree()
+            self._answered = step
+            return self.stop_step == step
+
+    def store_notice(self, signal_name):
+        """Writes the notice that this process got `signal_name`."""
+        if self._read(self._key("notice")) is None:
+            self.store.set(self._key("notice"), f"{self.rank}:{signal_name}")
+
+    def _watch(self):
+        while not self._closed.wait(POLL_S):
+            try:
+                notice = self._read(self._key("notice"))
+            except Exception:  # The store is gone: the run is ending.
+                return
+            if notice is None:
+                continue
+            with self._lock:
+                if not self._agreed:
+                    self._agree()
+            return
+
+    def _agree(self):
+        """Steps 2 and 3 of the protocol; called holding the lock, once."""
+        self._agreed = True
+        try:
+            self.store.set(self._key(f"step/{self.rank}"), str(self._answered))
+            steps = [
+                int(self._wait_for(self._key(f"step/{rank}"), rank))
+                for rank in range(self.num_processes)
+            ]
+            notice = self._read(self._key("notice")) or ":"
+        except Exception as error:  # A process that died, a store gone.
+            self.failure = error
+            return
+        self.stop_step = max(steps) + 1
+        rank, _, name = notice.partition(":")
+        self.noticed = (int(rank) if rank.isdigit() else None, name or None)
+
+    def _wait_for(self, key, rank):
+        deadline = time.monotonic() + self.timeout
+        while True:
+            value = self._read(key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"process {rank} wrote no step within {self.timeout:g} s"
+                )
+            time.sleep(POLL_S / 10)
+
+    def _read(self, key):
+        return self.store.try_get(key)

@@ -1,0 +1,98 @@
+"""Preemption across processes started by a cluster's launcher (srun fakes).
+
+Two processes of `tests/resume_script.py` as `srun -n 2` starts them (no
+launcher of ours; `cluster_launchers.start_two`). At epoch 2, batch 3 one
+process sends itself SIGTERM or SIGUSR1, as a scheduler would to one task:
+
+- every process exits with 75 within 60 s of the signal, no process left;
+- the backup was written at the agreed step (mid-epoch);
+- the same command, run again, resumes and ends with the weights of an
+  uninterrupted run (1e-5 JAX, against one device; 1e-6 torch and
+  TensorFlow, against the same two processes uninterrupted: their ranks
+  draw their own dropout masks), every batch split over the devices in
+  both runs (`split_probe`).
+
+JAX: 2 processes x 4 devices; torch: 2 processes; TensorFlow: 2 workers x 2
+devices.
+"""
+
+import json
+import time
+
+import keras
+import numpy as np
+import pytest
+import resume_script
+from cluster_launchers import exit_codes, max_rel, start_two
+from split_probe import assert_divided
+
+BACKEND = keras.backend.backend()
+#: Per backend: consecutive free ports, the processes' variables, how many
+#: ways each batch is split, the tolerance against one device.
+SETUPS = {
+    "jax": (1, {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, 8, 1e-5),
+    "torch": (1, {"KERAS_PARALLEL_TIMEOUT": "60"}, 2, 1e-6),
+    "tensorflow": (
+        3,
+        {"KERAS_PARALLEL_DEVICES_PER_PROCESS": "2", "TF_CPP_MIN_LOG_LEVEL": "2"},
+        4,
+        1e-6,
+    ),
+}
+PORTS, VARIABLES, WAYS, TOLERANCE = SETUPS[BACKEND]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    if BACKEND == "jax":
+        model = resume_script.build(distributed=False)
+        resume_script.train(model)
+        return [np.asarray(w) for w in model.get_weights()]
+    reference = tmp_path_factory.mktemp("reference")
+    done = run(reference)
+    assert exit_codes(done) == [0, 0], done.stderr[-5000:]
+    return final_weights(reference)
+
+
+def final_weights(out):
+    with np.load(out / "weights.npz") as saved:
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+def run(out, *args):
+    return start_two(
+        out,
+        "srun",
+        BACKEND,
+        PORTS,
+        script="resume_script.py",
+        args=(out / "backup", *args),
+        **VARIABLES,
+    )
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_one_process_stops_all_and_the_same_command_resumes(
+    tmp_path, uninterrupted, signal_name
+):
+    preempted = run(tmp_path, f"{signal_name}:1")
+    ended = time.time()
+    assert exit_codes(preempted) == [75, 75], preempted.stderr[-5000:]
+    signalled_at = float((tmp_path / "killpoint").read_text().split()[1])
+    assert ended - signalled_at < 60
+    assert f"preempted ({signal_name} reached process 1)" in preempted.stderr
+    metadata = json.loads((tmp_path / "backup/training_metadata.json").read_text())
+    # Signalled after batch 3 of epoch 2: the processes stop there, or one
+    # batch later where the other had already answered batch 3.
+    assert metadata["epoch"] == 2
+    assert metadata["keras_parallel"]["steps_done"] in (4, 5), metadata
+
+    resumed = run(tmp_path, f"{signal_name}:1")  # The same command.
+    assert exit_codes(resumed) == [0, 0], resumed.stderr[-5000:]
+    assert max_rel(final_weights(tmp_path), uninterrupted) <= TOLERANCE
+    for run_index in (0, 1):
+        for rank in (0, 1):
+            records = json.loads(
+                (tmp_path / f"records{rank}-{run_index}.json").read_text()
+            )
+            assert_divided([tuple(r) for r in records], 32, WAYS)
