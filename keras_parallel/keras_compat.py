@@ -207,8 +207,9 @@ REPLACED = (
     Target(
         "keras.src.callbacks.callback_list.CallbackList",
         ("on_train_batch_end", "on_epoch_end"),
-        "after every training batch the processes agree whether a "
-        "preemption signal came, and stop there with a backup "
+        "after every training batch, whether the processes agreed to stop "
+        "for a preemption signal (through their runtime's key-value store, "
+        "`persistence/stop_agreement.py`), and the stop there with a backup "
         "(`persistence/preemption.py`)",
     ),
     Target(

@@ -4,7 +4,8 @@ Two processes of `tests/resume_script.py` as `srun -n 2` starts them (no
 launcher of ours; `cluster_launchers.start_two`). At epoch 2, batch 3 one
 process sends itself SIGTERM or SIGUSR1, as a scheduler would to one task:
 
-- every process exits with 75 within 60 s of the signal, no process left;
+- every process exits with 75 within 60 s of the signal, no process left
+  (SIGUSR1 too on JAX);
 - the backup was written at the agreed step (mid-epoch);
 - the same command, run again, resumes and ends with the weights of an
   uninterrupted run (1e-5 JAX, against one device; 1e-6 torch and
@@ -71,7 +72,13 @@ def run(out, *args):
     )
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+# SIGUSR1 across processes on JAX alone, whose runtime has a SIGTERM
+# handler of its own (the watch must stand in front of it for either
+# signal); both signals in one process on every backend (test_preemption).
+SIGNAL_NAMES = ["SIGTERM", "SIGUSR1"] if BACKEND == "jax" else ["SIGTERM"]
+
+
+@pytest.mark.parametrize("signal_name", SIGNAL_NAMES)
 def test_a_signal_to_one_process_stops_all_and_the_same_command_resumes(
     tmp_path, uninterrupted, signal_name
 ):

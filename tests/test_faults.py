@@ -249,6 +249,7 @@ def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterru
     assert running(str(tmp_path)) == []
 
 
+@jax_and_torch
 def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
     tmp_path, uninterrupted
 ):
