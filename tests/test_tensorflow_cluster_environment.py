@@ -34,10 +34,10 @@ if keras.backend.backend() == "tensorflow":
     from split_probe import assert_divided
     from subprocesses import gone, run_in_session
 
-    from keras_parallel.backends.tensorflow import DEVICES_ENV, workers
+    from keras_parallel.backends.tensorflow import workers
 
 #: Each worker's CPU split in two; TensorFlow's INFO lines hidden.
-VARIABLES = {DEVICES_ENV: "2", "TF_CPP_MIN_LOG_LEVEL": "2"}
+VARIABLES = {"KERAS_PARALLEL_DEVICES_PER_PROCESS": "2", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 @pytest.fixture(scope="module")
