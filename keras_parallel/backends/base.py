@@ -369,8 +369,6 @@ class Executor(abc.ABC):
             NotImplementedError: several processes run and this backend has
                 no store.
         """
-        from keras_parallel.persistence.stop_agreement import LocalStore
-
         self._single_process_only("key-value store")
         return LocalStore()
 
@@ -392,3 +390,16 @@ class Executor(abc.ABC):
                 f"processes. Received: {self.num_processes} processes; "
                 "report this as a keras_parallel bug."
             )
+
+
+class LocalStore:
+    """A key-value store of one process (a dict), for a run of one process."""
+
+    def __init__(self):
+        self._values = {}
+
+    def set(self, key, value):
+        self._values[key] = value
+
+    def try_get(self, key):
+        return self._values.get(key)

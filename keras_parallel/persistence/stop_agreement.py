@@ -30,21 +30,11 @@ its grace runs out.
 import threading
 import time
 
+# The one-process store is the executor's (`Executor.key_value_store`).
+from keras_parallel.backends.base import LocalStore  # noqa: F401
+
 #: Seconds between two looks of the watcher thread for a notice.
 POLL_S = 0.1
-
-
-class LocalStore:
-    """A key-value store of one process (a dict), for a run of one process."""
-
-    def __init__(self):
-        self._values = {}
-
-    def set(self, key, value):
-        self._values[key] = value
-
-    def try_get(self, key):
-        return self._values.get(key)
 
 
 class StopAgreement:
