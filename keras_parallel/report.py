@@ -2,7 +2,7 @@
 
 import os
 
-from keras_parallel import sharding
+from keras_parallel import cluster_environments, sharding
 
 
 def describe(model, distribution=None):
@@ -135,6 +135,13 @@ def _axes(axes):
     return "(" + ", ".join("-" if a is None else a for a in axes) + ")"
 
 
+def _cluster_line(num_processes):
+    # Where several processes run: how they found each other.
+    if num_processes == 1:
+        return []
+    return [f"Cluster: {cluster_environments.describe_joined()}"]
+
+
 def format_plan(plan, model_name="model", executor=None):
     """Formats a `ShardingPlan` as the table `describe` returns.
 
@@ -165,6 +172,7 @@ def format_plan(plan, model_name="model", executor=None):
     lines = [
         f"Sharding plan of {model_name!r}",
         f"Backend: {backend}, {devices} in {_count(num_processes, 'process')}",
+        *_cluster_line(num_processes),
         f"Mesh: {mesh} ({devices}: {', '.join(plan.devices)})",
         f"Batch: {batch}",
     ]

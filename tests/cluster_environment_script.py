@@ -1,7 +1,7 @@
 """An unchanged training script, started by a cluster's own launcher.
 
-The cluster tests start two processes of it as `srun` or `mpirun` would,
-with that launcher's variables and no launcher of ours; nothing in it
+The cluster tests start two processes of it as `srun`, `mpirun` or a
+Kubernetes job would, with that launcher's variables and no launcher of ours; nothing in it
 starts a runtime. Keras is imported before keras_parallel, as many scripts
 do: keras_parallel must still join the processes before the first device
 query (`keras_parallel.DataParallel()`).
@@ -10,8 +10,8 @@ query (`keras_parallel.DataParallel()`).
 (first calling `keras.distribution.initialize()` itself where
 `SCRIPT_INITIALIZES=1`)
 and writes, per process: its weights (`weights<rank>.npz`) and
-`info<rank>.json`: the rows each device computed (`split_probe`) and the
-devices `DataParallel()` spans. Each process builds its model from another
+`info<rank>.json`: the rows each device computed (`split_probe`), the
+devices `DataParallel()` spans and the plan (`keras_parallel.describe`). Each process builds its model from another
 seed: only process 0's initial weights may count. The tests import `build`
 and `train` for the one-device reference.
 """
@@ -28,7 +28,7 @@ from jax_processes_script import data
 import keras_parallel
 
 #: Where each launcher puts the rank (the script only names its files by it).
-RANK_VARIABLES = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+RANK_VARIABLES = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "RANK")
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):
@@ -71,6 +71,7 @@ def main(out):
     devices = np.asarray(keras_parallel.DataParallel().device_mesh.devices).size
     np.savez(os.path.join(out, f"weights{rank}.npz"), *model.get_weights())
     info = {"records": split_probe.records(), "devices": int(devices)}
+    info["plan"] = keras_parallel.describe(model)
     with open(os.path.join(out, f"info{rank}.json"), "w") as f:
         json.dump(info, f)
 

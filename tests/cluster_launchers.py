@@ -2,8 +2,8 @@
 
 No launcher of ours: one shell starts a script (`cluster_environment_script.py`
 unless told) twice, rank 0 in the background and rank 1 in front, each with
-the variables its cluster launcher sets (`slurm`, `openmpi` give them per
-rank). The shell runs in a session of its own, killed whole (SIGKILL: JAX
+the variables its cluster launcher sets (`slurm`, `openmpi`, `torchelastic`
+give them per rank). The shell runs in a session of its own, killed whole (SIGKILL: JAX
 catches SIGTERM) at the timeout; `start_two` fails if a process outlives it.
 `bare_env` is the tests' environment with no launcher's variable, for a
 process of one.
@@ -88,7 +88,24 @@ def openmpi(port):
     }
 
 
-LAUNCHERS = {"srun": slurm, "mpirun": openmpi}
+def torchelastic(port):
+    """A Kubeflow PyTorchJob of 2 replicas on one host (or `torchrun` without its agent).
+
+    The variables its pods get: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    `MASTER_PORT`, and torchrun's local ones. JAX's coordinator takes
+    `port + 1`.
+    """
+    shared = {
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return shared, lambda rank: {"RANK": rank, "LOCAL_RANK": rank}
+
+
+LAUNCHERS = {"srun": slurm, "mpirun": openmpi, "torchelastic": torchelastic}
 
 
 def bare_env(**variables):
@@ -111,6 +128,8 @@ def start_two(
     script="cluster_environment_script.py",
     args=(),
     timeout=TIMEOUT_S,
+    ranks=(0, 1),
+    port=None,
     **variables,
 ):
     """Runs the script in two processes as `launcher` would; waits for both.
@@ -118,7 +137,7 @@ def start_two(
     Args:
         out: the directory the processes write to; the script's first
             argument (also how `gone` finds the processes).
-        launcher: `"srun"` or `"mpirun"`.
+        launcher: a key of `LAUNCHERS`.
         backend: `KERAS_BACKEND`.
         ports: how many consecutive ports must be free from the main port.
         joined: False runs each process through `without_cluster_join.py`
@@ -126,6 +145,9 @@ def start_two(
         script: the script, in `tests/`.
         args: its arguments after `out`.
         timeout: seconds until every process is killed.
+        ranks: the rank of each process to start, of a world of 2: a
+            mistake leaves one out (`(0,)`) or gives one twice (`(0, 0)`).
+        port: the main port; by default a free one (`ports` of them).
         variables: more variables for both processes.
 
     Returns:
@@ -134,7 +156,8 @@ def start_two(
     Raises:
         subprocess.TimeoutExpired: past `timeout`, every process killed.
     """
-    shared, per_rank = LAUNCHERS[launcher](free_port_run(ports))
+    port = free_port_run(ports) if port is None else port
+    shared, per_rank = LAUNCHERS[launcher](port)
     env = bare_env(KERAS_BACKEND=backend, **variables)
     env.update(shared)
     script = os.path.join(HERE, script)
@@ -146,10 +169,17 @@ def start_two(
     def assign(rank):
         return " ".join(f"{name}={value}" for name, value in per_rank(rank).items())
 
+    # Every process but the last in the background; exit codes in order.
+    *background, last = ranks
+    started = "".join(
+        f"{assign(rank)} {run} & pid{i}=$!; " for i, rank in enumerate(background)
+    )
+    waited = "".join(f'wait "$pid{i}"; code{i}=$?; ' for i in range(len(background)))
+    codes = [f"$code{i}" for i in range(len(background))] + ["$last"]
     command = (
-        f"{assign(0)} {run} & first=$!; {assign(1)} {run}; second=$?; "
-        'wait "$first"; first=$?; echo "exit codes: $first $second" >&2; '
-        "exit $(( first | second ))"
+        f"{started}{assign(last)} {run}; last=$?; {waited}"
+        f'echo "exit codes: {" ".join(codes)}" >&2; '
+        f"exit $(( {' | '.join(c[1:] for c in codes)} ))"
     )
     try:
         return run_in_session(["bash", "-c", command], env, timeout)
@@ -158,10 +188,52 @@ def start_two(
 
 
 def exit_codes(result):
-    """Each process's exit code, rank order, from `start_two`'s result."""
+    """Each process's exit code, in `start_two`'s `ranks` order."""
     line = [x for x in result.stderr.splitlines() if x.startswith("exit codes: ")]
     assert line, result.stderr[-3000:]
     return [int(code) for code in line[-1].split()[2:]]
+
+
+#: The environment each launcher's processes must be found in.
+DETECTED = {"srun": "slurm", "mpirun": "openmpi", "torchelastic": "torchelastic"}
+
+
+def assert_plan_names_the_cluster(infos, launcher):
+    """Each process's plan names the environment its launcher sets, and its rank."""
+    for rank, info in enumerate(infos):
+        line = f"Cluster: {DETECTED[launcher]} (world size 2, rank {rank},"
+        assert line in info["plan"], info["plan"]
+
+
+def one_process_reference():
+    """`cluster_environment_script`'s step on one device, from process 0's seed."""
+    import cluster_environment_script as script
+
+    model = script.build(seed=1, distributed=False)
+    script.train(model)
+    return model.get_weights()
+
+
+def check_one_group(out, reference, devices, records_per_process=None):
+    """Both processes hold `reference`'s weights (1e-5), the batch split `devices` ways.
+
+    Args:
+        out: the directory `cluster_environment_script` wrote to.
+        reference: `one_process_reference()`.
+        devices: the devices (processes, replicas) of the whole group.
+        records_per_process: the steps' records each process must hold
+            (TensorFlow: one per local replica); any where None.
+    """
+    from split_probe import assert_divided
+
+    weights, infos = results(out)
+    for rank in (0, 1):
+        assert infos[rank]["devices"] == devices, infos[rank]
+        records = [tuple(r) for r in infos[rank]["records"]]
+        if records_per_process is not None:
+            assert len(records) == records_per_process, records
+        assert_divided(records, 64, devices)
+        assert max_rel(weights[rank], reference) < 1e-5
 
 
 def results(out):

@@ -31,11 +31,12 @@ jax_only = pytest.mark.skipif(not on_jax, reason="JAX processes (tox -e jax)")
 multi_process = jax_only
 
 if on_jax:
-    import cluster_environment_script as script
+    import cluster_launchers
     from cluster_launchers import (
+        assert_plan_names_the_cluster,
         bare_env,
         free_port_run,
-        max_rel,
+        one_process_reference,
         results,
         slurm,
         start_two,
@@ -50,21 +51,15 @@ DEVICES = "--xla_force_host_platform_device_count=4"
 
 @pytest.fixture(scope="module")
 def one_device():
-    model = script.build(seed=1, distributed=False)  # Process 0's seed.
-    script.train(model)
-    return [keras.ops.convert_to_numpy(v.value) for v in model.weights]
+    return one_process_reference()
 
 
 def check_one_group(out, one_device):
-    weights, infos = results(out)
-    for rank in (0, 1):
-        assert infos[rank]["devices"] == 8, infos[rank]
-        assert_divided([tuple(r) for r in infos[rank]["records"]], 64, 8)
-        assert max_rel(weights[rank], one_device) < 1e-5
+    cluster_launchers.check_one_group(out, one_device, 8)
 
 
 @multi_process
-@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+@pytest.mark.parametrize("launcher", ["srun", "mpirun", "torchelastic"])
 def test_two_processes_train_as_one_group(tmp_path, one_device, launcher):
     # Under mpirun the script also calls `keras.distribution.initialize()`.
     initializes = "1" if launcher == "mpirun" else "0"
@@ -72,12 +67,14 @@ def test_two_processes_train_as_one_group(tmp_path, one_device, launcher):
         tmp_path,
         launcher,
         "jax",
-        ports=1,
+        # torchelastic: JAX's coordinator on MASTER_PORT + 1.
+        ports=2 if launcher == "torchelastic" else 1,
         XLA_FLAGS=DEVICES,
         SCRIPT_INITIALIZES=initializes,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     check_one_group(tmp_path, one_device)
+    assert_plan_names_the_cluster(results(tmp_path)[1], launcher)
 
 
 @multi_process

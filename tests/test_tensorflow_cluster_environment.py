@@ -29,9 +29,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 if keras.backend.backend() == "tensorflow":
-    import cluster_environment_script as script
-    from cluster_launchers import bare_env, max_rel, results, start_two
-    from split_probe import assert_divided
+    import cluster_launchers
+    from cluster_launchers import (
+        assert_plan_names_the_cluster,
+        bare_env,
+        one_process_reference,
+        results,
+        start_two,
+    )
     from subprocesses import gone, run_in_session
 
     from keras_parallel.backends.tensorflow import workers
@@ -42,27 +47,21 @@ VARIABLES = {"KERAS_PARALLEL_DEVICES_PER_PROCESS": "2", "TF_CPP_MIN_LOG_LEVEL": 
 
 @pytest.fixture(scope="module")
 def one_device():
-    model = script.build(seed=1, distributed=False)  # Worker 0's seed.
-    script.train(model)
-    return model.get_weights()
+    return one_process_reference()
 
 
 def check_one_group(out, one_device):
-    weights, infos = results(out)
-    for rank in (0, 1):
-        assert infos[rank]["devices"] == 4, infos[rank]
-        records = [tuple(r) for r in infos[rank]["records"]]
-        assert len(records) == 2, records  # This worker's 2 replicas.
-        assert_divided(records, 64, 4)
-        assert max_rel(weights[rank], one_device) < 1e-5
+    # This worker's 2 replicas recorded a step each.
+    cluster_launchers.check_one_group(out, one_device, 4, records_per_process=2)
 
 
-@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+@pytest.mark.parametrize("launcher", ["srun", "mpirun", "torchelastic"])
 def test_two_workers_train_as_one_group(tmp_path, one_device, launcher):
     # The main port and each worker's: main + 1 + its index on the host.
     done = start_two(tmp_path, launcher, "tensorflow", ports=3, **VARIABLES)
     assert done.returncode == 0, done.stderr[-4000:]
     check_one_group(tmp_path, one_device)
+    assert_plan_names_the_cluster(results(tmp_path)[1], launcher)
 
 
 def test_without_joining_the_workers_fail_at_once(tmp_path):

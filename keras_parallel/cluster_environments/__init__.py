@@ -67,12 +67,15 @@ __all__ = [
     "SlurmEnvironment",
     "TorchElasticEnvironment",
     "describe_environment",
+    "describe_joined",
     "detect_cluster_environment",
     "environment_variables",
     "expand_nodelist",
     "expand_tasks_per_node",
     "jax_initialize_arguments",
+    "joined_environment",
     "opted_out",
+    "record_joined",
 ]
 
 ENVIRONMENTS = (
@@ -104,6 +107,38 @@ def detect_cluster_environment(environ=None):
         if environment.detect(environ):
             return environment(environ)
     return None
+
+
+#: The environment this process joined by (`record_joined`), if it did.
+_joined = []
+
+
+def record_joined(env):
+    """Remembers the environment a backend joined the other processes by.
+
+    Read back for the plan's `Cluster:` line: after torch's variables are
+    filled from `srun`'s, detecting again would name torchelastic.
+    """
+    _joined[:] = [env]
+
+
+def joined_environment():
+    """The environment `record_joined` kept, or None."""
+    return _joined[0] if _joined else None
+
+
+def describe_joined():
+    """The plan's line: the environment joined by, else the one detected now.
+
+    Never raises.
+    """
+    env = joined_environment()
+    if env is None:
+        return describe_environment()
+    try:
+        return env.describe()
+    except ClusterEnvironmentError as error:
+        return f"{env.name}, misconfigured: {error}"
 
 
 def describe_environment(environ=None):

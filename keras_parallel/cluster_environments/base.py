@@ -12,6 +12,35 @@ def environment_error(what, received, fix):
     return ClusterEnvironmentError(f"{what}. Received: {received}; {fix}.")
 
 
+def positive_seconds(environ, variable, default, example):
+    """A number of seconds read from `environ[variable]`, or `default` where unset.
+
+    Args:
+        environ: the variables to read.
+        variable: the variable's name.
+        default: the seconds where it is unset or blank.
+        example: a value to suggest in the error.
+
+    Raises:
+        ClusterEnvironmentError: the value is not a positive number (a
+            `ValueError`).
+    """
+    text = environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise environment_error(
+            f"{variable} must be a positive number of seconds",
+            f"{variable}={text!r}",
+            f"set it to, e.g., {example}, or unset it for {default:g}",
+        )
+    return seconds
+
+
 def host_port(host, port):
     """`host:port`, an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -109,6 +138,10 @@ class ClusterEnvironment:
     def main_port(self):
         """The port on `main_address()` where the others meet."""
         raise NotImplementedError
+
+    def port_source(self):
+        """Where `main_port()` comes from, for messages: a variable to set."""
+        return "MASTER_PORT"
 
     def _port(self, variable, value):
         try:

@@ -73,6 +73,9 @@ class KerasDistributionEnvironment(ClusterEnvironment):
     def main_address(self):
         return self._split(self._addresses()[0])[0]
 
+    def port_source(self):
+        return self.ADDRESSES_VAR
+
     def main_port(self):
         return self._split(self._addresses()[0])[1]
 

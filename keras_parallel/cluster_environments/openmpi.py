@@ -50,6 +50,11 @@ class OpenMPIEnvironment(ClusterEnvironment):
             "pass rank 0's host: mpirun -x MASTER_ADDR=<host> ...",
         )
 
+    def port_source(self):
+        if self._get("MASTER_PORT") is None:
+            return f"the default {self.DEFAULT_PORT}: MASTER_PORT is unset"
+        return "MASTER_PORT"
+
     def main_port(self):
         port = self._get("MASTER_PORT")
         return self.DEFAULT_PORT if port is None else self._port("MASTER_PORT", port)

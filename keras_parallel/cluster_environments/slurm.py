@@ -105,6 +105,14 @@ class SlurmEnvironment(ClusterEnvironment):
     def main_address(self):
         return self.nodes()[0]
 
+    def port_source(self):
+        if self._get("MASTER_PORT") is None:
+            return (
+                f"SLURM_JOB_ID ({self.PORT_BASE} + its last 4 digits); set "
+                "MASTER_PORT to choose another"
+            )
+        return "MASTER_PORT"
+
     def main_port(self):
         explicit = self._get("MASTER_PORT")
         if explicit is not None:

@@ -11,7 +11,10 @@ import json
 import os
 
 from keras_parallel.cluster_environments import detect_cluster_environment
-from keras_parallel.cluster_environments.base import environment_error
+from keras_parallel.cluster_environments.base import (
+    ClusterEnvironment,
+    environment_error,
+)
 from keras_parallel.cluster_environments.opt_out import OPT_OUT_VAR, opted_out
 
 #: The only task type keras_parallel's strategy runs.
@@ -90,3 +93,40 @@ def wanted(environ=None):
         return False  # The user's own TF_CONFIG wins.
     env = detect_cluster_environment(environ)
     return env is not None and env.world_size() > 1
+
+
+class TFConfigEnvironment(ClusterEnvironment):
+    """The workers a `TF_CONFIG` lists, read as a cluster environment.
+
+    What a process started with its own `TF_CONFIG` (`keras-parallel launch
+    --backend tensorflow`, a Kubernetes TFJob) tells: every worker's
+    `host:port` and this one's index. For the join's checks and messages
+    (`join_deadline`); it is not among the detected environments, which
+    are the launchers' variables that a `TF_CONFIG` is computed from.
+    """
+
+    name = "TF_CONFIG"
+    WORLD_SIZE_VAR = "TF_CONFIG's cluster.worker list"
+    RANK_VAR = "TF_CONFIG's task.index"
+
+    @classmethod
+    def detect(cls, environ=None):
+        return len(cluster_workers(environ)[0]) > 1
+
+    def world_size(self):
+        return max(len(cluster_workers(self.environ)[0]), 1)
+
+    def global_rank(self):
+        return cluster_workers(self.environ)[1]
+
+    def worker_addresses(self):
+        return cluster_workers(self.environ)[0]
+
+    def main_address(self):
+        return self.worker_addresses()[0].rsplit(":", 1)[0].strip("[]")
+
+    def main_port(self):
+        return self._port("TF_CONFIG", self.worker_addresses()[0].rsplit(":", 1)[1])
+
+    def port_source(self):
+        return "TF_CONFIG"

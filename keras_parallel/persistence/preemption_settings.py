@@ -8,6 +8,8 @@ same exit code and grace.
 import os
 import signal
 
+from keras_parallel.cluster_environments.base import positive_seconds
+
 #: The exit code of a preempted run (sysexits.h's EX_TEMPFAIL): the job
 #: was stopped on request and resumes when started again.
 PREEMPTED_EXIT_CODE = 75
@@ -61,16 +63,4 @@ def grace_seconds(environ=None):
         ValueError: the variable is not a positive number.
     """
     environ = os.environ if environ is None else environ
-    text = environ.get(GRACE_VARIABLE, "").strip()
-    if not text:
-        return DEFAULT_GRACE_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(
-            f"{GRACE_VARIABLE} must be a positive number of seconds. "
-            f"Received: {text!r}; set it to, e.g., 20."
-        )
-    return seconds
+    return positive_seconds(environ, GRACE_VARIABLE, DEFAULT_GRACE_S, 20)

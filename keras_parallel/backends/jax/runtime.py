@@ -22,6 +22,7 @@ once.
 import os
 
 from keras_parallel import cluster_environments
+from keras_parallel.cluster_environments import join_deadline
 
 #: The variables `keras.distribution.initialize()` reads.
 ADDRESS_ENV = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
@@ -69,11 +70,17 @@ def initialize_from_environment():
     JAX still restricts each process to its local rank's GPU under SLURM
     (`local_device_ids`), as its own `initialize()` does.
 
+    Process 0 first checks that the coordinator's port is free, and every
+    process waits for the others at most `KERAS_PARALLEL_JOIN_TIMEOUT`
+    seconds (`join_deadline`): JAX's own wait would abort the process
+    minutes later without naming a variable.
+
     Returns:
         True if several processes run now.
 
     Raises:
-        ClusterEnvironmentError: a variable of the environment is wrong.
+        ClusterEnvironmentError: a variable of the environment is wrong, or
+            process 0's port is taken.
     """
     import jax
     import keras  # First: importing it may start the runtime (see above).
@@ -81,18 +88,23 @@ def initialize_from_environment():
     # Asking for devices would start a one-process runtime: ask the client.
     if jax.distributed.is_initialized():
         return jax.process_count() > 1
-    arguments = cluster_arguments()
-    if arguments is None:
+    env = cluster_environments.detect_cluster_environment()
+    if env is None or env.world_size() <= 1:
         return False
+    arguments = cluster_environments.jax_initialize_arguments(env)
+    address = arguments["coordinator_address"]
+    if arguments["process_id"] == 0:
+        join_deadline.check_port_free(env, address)
     if CPU_COLLECTIVES_ENV not in os.environ:
         # JAX is imported already (by Keras): its flag is read when its
         # backend starts, so set through its config, not the environment.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    keras.distribution.initialize(
-        job_addresses=arguments["coordinator_address"],
-        num_processes=arguments["num_processes"],
-        process_id=arguments["process_id"],
-    )
+    with join_deadline.join_deadline(env, address):
+        keras.distribution.initialize(
+            job_addresses=address,
+            num_processes=arguments["num_processes"],
+            process_id=arguments["process_id"],
+        )
     _accept_the_scripts_own_call()
     return jax.process_count() > 1
 

@@ -36,7 +36,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from keras_parallel import cluster_environments
 from keras_parallel.backends.tensorflow import DEVICES_ENV, strategies
 from keras_parallel.backends.tensorflow import devices as tf_devices
-from keras_parallel.cluster_environments import tf_config
+from keras_parallel.cluster_environments import join_deadline, tf_config
 from keras_parallel.replacements import replaced
 
 _strategy = None
@@ -85,7 +85,9 @@ def initialize_from_environment():
     """Creates the multi-worker strategy `TF_CONFIG` asks for, once.
 
     Call it before TensorFlow runs anything. An unset `TF_CONFIG` is filled
-    from the cluster environment first (`fill_tf_config`).
+    from the cluster environment first (`fill_tf_config`). This worker's
+    port is checked first, and the wait for the other workers is bounded
+    by `KERAS_PARALLEL_JOIN_TIMEOUT` (`join_deadline`).
 
     Returns:
         The `ExactMultiWorkerMirroredStrategy`, or `None` if `TF_CONFIG`
@@ -95,11 +97,10 @@ def initialize_from_environment():
     Raises:
         RuntimeError: TensorFlow already started in this process.
         ClusterEnvironmentError: a variable of the cluster environment is
-            wrong; it is named.
+            wrong, or this worker's port is taken; it is named.
     """
     global _strategy
-    if _strategy is None:
-        fill_tf_config()
+    filled = fill_tf_config() if _strategy is None else []
     count = os.environ.get(DEVICES_ENV)
     if _strategy is not None or not wanted():
         if count and _strategy is None and not tf.config.list_physical_devices("GPU"):
@@ -112,7 +113,10 @@ def initialize_from_environment():
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration()] * int(count)
             )
-        _strategy = ExactMultiWorkerMirroredStrategy()
+        with _bounded_join(filled):
+            _strategy = ExactMultiWorkerMirroredStrategy()
+    except cluster_environments.ClusterEnvironmentError:
+        raise  # It names the variable to fix: not TensorFlow's start.
     except (RuntimeError, ValueError) as error:
         raise RuntimeError(
             "Cannot start TensorFlow across processes: the strategy must be "
@@ -124,6 +128,24 @@ def initialize_from_environment():
             "`python -m keras_parallel.launcher.bootstrap train.py`."
         ) from error
     return _strategy
+
+
+@contextlib.contextmanager
+def _bounded_join(filled):
+    """Checks this worker's port, then bounds the wait for the others.
+
+    The strategy starts this worker's server and waits for every other
+    worker (`join_deadline`). The messages name the launcher's variables
+    where `TF_CONFIG` was computed from them (`filled`), else `TF_CONFIG`.
+    """
+    if filled:
+        env = cluster_environments.detect_cluster_environment().validate()
+    else:
+        env = tf_config.TFConfigEnvironment()
+    addresses, index = cluster_workers()
+    join_deadline.check_port_free(env, addresses[index])
+    with join_deadline.join_deadline(env, addresses[0]):
+        yield
 
 
 class ExactMultiWorkerMirroredStrategy(

@@ -18,6 +18,7 @@ outlives any rank, rank 0 included.
 """
 
 import atexit
+import contextlib
 import datetime
 import os
 import weakref
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from keras_parallel import cluster_environments
+from keras_parallel.cluster_environments import join_deadline
+from keras_parallel.cluster_environments.base import host_port
 
 #: Where a failing rank leaves its name and error in the group's store.
 FAILURE_KEY = "keras_parallel/failed"
@@ -90,7 +93,11 @@ def ensure_process_group():
             built without `torch.distributed`.
     """
     global _started_here
+    env = None
     if not (dist.is_available() and dist.is_initialized()):
+        # Read from the variables before torch's are filled from them: its
+        # messages name the launcher's (`SLURM_PROCID`, not `RANK`).
+        env = cluster_environments.detect_cluster_environment(dict(os.environ))
         fill_from_cluster_environment()
     if not dist.is_available():
         if env_world_size() > 1:
@@ -112,20 +119,44 @@ def ensure_process_group():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=timeout_seconds())
     backend = "nccl" if use_cuda else "gloo"
-    store = _store_of_this_attempt(timeout)
-    if store is None:
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-    else:
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            rank=int(os.environ["RANK"]),
-            world_size=env_world_size(),
-            timeout=timeout,
-        )
+    with _bounded_join(env):
+        store = _store_of_this_attempt(timeout)
+        if store is None:
+            dist.init_process_group(
+                backend=backend, init_method="env://", timeout=timeout
+            )
+        else:
+            dist.init_process_group(
+                backend=backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=env_world_size(),
+                timeout=timeout,
+            )
     _started_here = True
     atexit.register(teardown)
     return dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _bounded_join(env):
+    """Checks rank 0's port, then bounds the wait for the other ranks.
+
+    `join_deadline`: a rank missing or given twice, or a port taken, ends
+    every rank within `KERAS_PARALLEL_JOIN_TIMEOUT` with a message naming
+    `env`'s variables (torch's own wait lasts the whole collective
+    timeout). Under torchrun the elastic agent holds the store's port:
+    nothing is checked there.
+    """
+    if env is None or env.world_size() <= 1:
+        yield  # Variables torch reads itself, not a launcher's.
+        return
+    address = host_port(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if env.global_rank() == 0 and not agent_store:
+        join_deadline.check_port_free(env, address)
+    with join_deadline.join_deadline(env, address):
+        yield
 
 
 def fill_from_cluster_environment(environ=None):

@@ -1,0 +1,162 @@
+"""A bound on the wait for a cluster job's other processes, and its error.
+
+Joining waits for every process of the job: JAX's `initialize`,
+TensorFlow's multi-worker strategy and torch's process group each block
+until the last one arrives. A mistake in the environment (a rank nobody
+started, two processes given the same rank, rank 0's port held by another
+program) would make that wait end only at the runtime's own timeout,
+minutes later, with an error naming none of the variables (JAX aborts the
+process with `DEADLINE_EXCEEDED`). So each backend joins inside
+`join_deadline`: past `KERAS_PARALLEL_JOIN_TIMEOUT` seconds (default 45)
+the process prints what to check, naming the environment's variables, and
+is ended, every process of the job within the same bound. The process
+that must bind rank 0's port checks first that it is free
+(`check_port_free`), and fails at once where it is not.
+
+The deadline is kept by a small watchdog process, not a thread: TensorFlow
+holds Python's lock while it waits for the other workers, so no thread of
+the waiting process would run.
+"""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+
+from keras_parallel.cluster_environments import record_joined
+from keras_parallel.cluster_environments.base import (
+    environment_error,
+    positive_seconds,
+)
+
+JOIN_TIMEOUT_VAR = "KERAS_PARALLEL_JOIN_TIMEOUT"
+#: Processes that `srun`, `mpirun` or `keras-parallel launch` start meet
+#: within seconds; below 60 s, so that a mistake ends the job within a
+#: minute. Kubernetes pods may start minutes apart: docs/multihost.md sets
+#: more there.
+DEFAULT_JOIN_TIMEOUT_S = 45.0
+
+# Ends the process `argv[1]` after `argv[2]` seconds, printing `argv[3]`;
+# ends itself if that process ends first (its parent changes).
+_WATCHDOG = """
+import os, signal, sys, time
+parent, seconds, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    if os.getppid() != parent:
+        sys.exit(0)
+    time.sleep(0.2)
+sys.stderr.write(message + "\\n")
+sys.stderr.flush()
+os.kill(parent, signal.SIGKILL)
+"""
+
+
+def join_timeout_seconds(environ=None):
+    """`KERAS_PARALLEL_JOIN_TIMEOUT` in seconds, or the default 45.
+
+    Args:
+        environ: the variables to read; `os.environ` when None.
+
+    Raises:
+        ClusterEnvironmentError: the value is not a positive number.
+    """
+    environ = os.environ if environ is None else environ
+    return positive_seconds(environ, JOIN_TIMEOUT_VAR, DEFAULT_JOIN_TIMEOUT_S, 300)
+
+
+def check_port_free(env, address):
+    """Fails at once where this process cannot bind `address`'s port.
+
+    Call it in the process that binds it (rank 0's coordinator or store, a
+    TensorFlow worker's server), before the runtime tries: the runtime's own
+    failure names neither the port's variable nor the rank's.
+
+    Args:
+        env: the detected `ClusterEnvironment`.
+        address: `host:port`, the port this process binds (on every
+            interface, as the runtimes do).
+
+    Raises:
+        ClusterEnvironmentError: the port is taken; the message names the
+            variables that set it and the rank.
+    """
+    port = int(address.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the runtimes' listeners: a port left in TIME_WAIT by an
+        # earlier attempt is free, one that a program listens on is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise environment_error(
+                f"{env.name}: rank {env.global_rank()} must listen on port "
+                f"{port}, which is taken on this host ({error.strerror}): "
+                "another program holds it, or another process of this job "
+                f"was given the same {env.RANK_VAR}",
+                env.describe(),
+                f"free the port, or choose another (this one comes from "
+                f"{env.port_source()}), or give each process its own "
+                f"{env.RANK_VAR}",
+            ) from None
+
+
+def join_failure_message(env, address, seconds):
+    """What a process that did not meet the others in time prints."""
+    size = env.world_size()
+    return (
+        f"keras_parallel: rank {env.global_rank()} of {size} did not meet the "
+        f"other processes of its {env.name} job within {seconds:g} s "
+        f"({JOIN_TIMEOUT_VAR}), so it ends. Received: {env.describe()}; check "
+        f"that all {size} processes were started ({env.WORLD_SIZE_VAR}="
+        f"{size}), each with its own {env.RANK_VAR} from 0 to {size - 1}, "
+        f"and that rank 0 could listen on {address} (its port from "
+        f"{env.port_source()}). Where processes start more than {seconds:g} s "
+        f"apart (Kubernetes pods pulling images), set {JOIN_TIMEOUT_VAR} to "
+        "more seconds."
+    )
+
+
+@contextlib.contextmanager
+def join_deadline(env, address):
+    """Ends this process, saying what to check, if the body outlasts the deadline.
+
+    Once the body has run, `env` is the environment this process joined by
+    (`record_joined`: the plan names it).
+
+    Args:
+        env: the detected `ClusterEnvironment` (validated).
+        address: rank 0's `host:port` that the runtime meets at.
+
+    Raises:
+        ClusterEnvironmentError: `KERAS_PARALLEL_JOIN_TIMEOUT` is wrong.
+
+    Example:
+
+    ```python
+    with join_deadline(env, "10.0.0.1:1234"):
+        jax.distributed.initialize(...)
+    ```
+    """
+    seconds = join_timeout_seconds(env.environ)
+    message = join_failure_message(env, address, seconds)
+    watchdog = subprocess.Popen(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            _WATCHDOG,
+            str(os.getpid()),
+            str(seconds),
+            message,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+    record_joined(env)
