@@ -144,11 +144,11 @@ def uninterrupted(tmp_path_factory):
     return final_weights(reference), 1e-6
 
 
-def start(processes, out, *args):
+def start(processes, out, *args, **variables):
     """Starts the script in a session of its own; returns the Popen."""
     return subprocess.Popen(
         command(processes, out, *args),
-        env=checkout_env(KERAS_BACKEND=BACKEND),
+        env=checkout_env(KERAS_BACKEND=BACKEND, **variables),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -226,7 +226,10 @@ def test_stopped_launcher_ends_every_process_and_its_backup_resumes(
     tmp_path, uninterrupted, signum
 ):
     backup = tmp_path / "backup"
-    process = start(2, tmp_path, backup, "wait")
+    # The processes wait inside a callback and never reach the batch end
+    # where SIGTERM's preemption would stop them: the launcher ends them
+    # after the grace (here 1 s, + 10; torchrun's agent: its own 30 s).
+    process = start(2, tmp_path, backup, "wait", KERAS_PARALLEL_PREEMPTION_GRACE="1")
     wait_for_killpoint(process, tmp_path)
     os.kill(process.pid, signum)
     code, err, seconds = finish(process, 30)

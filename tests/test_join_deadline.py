@@ -226,6 +226,11 @@ def test_a_rank_nobody_started_ends_the_others_naming_the_count_and_rank(tmp_pat
     assert "SLURM_PROCID from 0 to 1" in stderr
 
 
+@pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="the port check and the deadline it ends by are tested on this "
+    "backend by the other two mistakes (test time)",
+)
 @pytest.mark.timeout(180)
 def test_two_processes_of_one_rank_both_end_naming_the_rank(tmp_path):
     stderr = start_with_mistake(tmp_path, ranks=(0, 0))
