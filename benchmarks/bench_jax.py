@@ -51,6 +51,37 @@ def loss_fn():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def guide_train_step(model, optimizer, loss):
+    """The guide's `compute_loss` and jitted `train_step`, as written there.
+
+    Args:
+        model: a built Keras model.
+        optimizer: its optimizer, built for `model.trainable_variables`.
+        loss: the loss function.
+
+    Returns:
+        `train_step(state, x, y) -> (loss, state)`, `state` being
+        `(trainable, non_trainable, optimizer variables)` values.
+    """
+
+    def compute_loss(trainable, non_trainable, x, y):
+        y_pred, non_trainable = model.stateless_call(
+            trainable, non_trainable, x, training=True
+        )
+        return loss(y, y_pred), non_trainable
+
+    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
+
+    @jax.jit
+    def train_step(state, x, y):
+        trainable, non_trainable, opt_vars = state
+        (loss_value, non_trainable), grads = grad_fn(trainable, non_trainable, x, y)
+        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+        return loss_value, (trainable, non_trainable, opt_vars)
+
+    return train_step
+
+
 class GuideLoop:
     """The guide's hand-written loop, as written there.
 
@@ -65,21 +96,7 @@ class GuideLoop:
         loss = loss_fn()
         model.build((None, 28, 28, 1))
         optimizer.build(model.trainable_variables)
-
-        def compute_loss(trainable, non_trainable, x, y):
-            y_pred, non_trainable = model.stateless_call(
-                trainable, non_trainable, x, training=True
-            )
-            return loss(y, y_pred), non_trainable
-
-        grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
-
-        @jax.jit
-        def train_step(state, x, y):
-            trainable, non_trainable, opt_vars = state
-            (loss_value, non_trainable), grads = grad_fn(trainable, non_trainable, x, y)
-            trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
-            return loss_value, (trainable, non_trainable, opt_vars)
+        train_step = guide_train_step(model, optimizer, loss)
 
         devices = np.array(jax.devices()[:devices])
         replicated = NamedSharding(Mesh(devices, ("_",)), P())

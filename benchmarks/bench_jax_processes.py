@@ -161,6 +161,10 @@ def loop_worker(out, batch_size, epochs):
 
     from keras_parallel import demo
 
+    # The launcher runs this file without putting its folder on the path.
+    sys.path.insert(0, HERE)
+    from bench_jax import guide_train_step
+
     (x, y), _ = demo.load_digits_28()
     x, y = np.tile(x, (6, 1, 1, 1))[:8192], np.tile(y, 6)[:8192]
     keras.utils.set_random_seed(0)  # The same initial weights in every process.
@@ -169,21 +173,7 @@ def loop_worker(out, batch_size, epochs):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.build((None, 28, 28, 1))
     optimizer.build(model.trainable_variables)
-
-    def compute_loss(trainable, non_trainable, x, y):
-        y_pred, non_trainable = model.stateless_call(
-            trainable, non_trainable, x, training=True
-        )
-        return loss(y, y_pred), non_trainable
-
-    grad_fn = jax.value_and_grad(compute_loss, has_aux=True)
-
-    @jax.jit
-    def train_step(state, x, y):
-        trainable, non_trainable, opt_vars = state
-        (loss_value, non_trainable), grads = grad_fn(trainable, non_trainable, x, y)
-        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
-        return loss_value, (trainable, non_trainable, opt_vars)
+    train_step = guide_train_step(model, optimizer, loss)
 
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     replicated = NamedSharding(mesh, P())
