@@ -22,8 +22,8 @@ from subprocesses import checkout_env, gone, run_in_session
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 240
 #: What the tests' own environment may hold of a launcher: none may leak in.
-_LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "KERAS_DISTRIBUTION_")
-_LAUNCHER_NAMES = (
+LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "KERAS_DISTRIBUTION_")
+LAUNCHER_NAMES = (
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -35,6 +35,25 @@ _LAUNCHER_NAMES = (
     "KERAS_PARALLEL_CLUSTER",
     "KERAS_PARALLEL_JOINED_PID",
 )
+
+
+def is_launcher_variable(name):
+    """Whether `name` is a variable some launcher sets (or keras_parallel's
+    cluster settings)."""
+    return name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES
+
+
+#: Task 1 of `srun -N 2 -n 2` (one task per node, step 0): its variables.
+SLURM_TASK_1_OF_2_NODES = {
+    "SLURM_NTASKS": "2",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_NODELIST": "node[01-02]",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+    "SLURM_JOB_ID": "123456",
+}
 
 
 def free_port_run(count):
@@ -113,7 +132,7 @@ def bare_env(**variables):
     env = {
         name: value
         for name, value in checkout_env().items()
-        if not (name.startswith(_LAUNCHER_PREFIXES) or name in _LAUNCHER_NAMES)
+        if not is_launcher_variable(name)
     }
     env.update({name: str(value) for name, value in variables.items()})
     return env

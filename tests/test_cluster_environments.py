@@ -11,29 +11,17 @@ import socket
 import warnings
 
 import pytest
+from cluster_launchers import is_launcher_variable
 
 from keras_parallel import bug_report
 from keras_parallel import cluster_environments as ce
-
-_PREFIXES = ("SLURM_", "SLURMD_", "OMPI_", "KERAS_DISTRIBUTION_")
-_NAMES = (
-    "KERAS_PARALLEL_CLUSTER",
-    "TF_CONFIG",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 @pytest.fixture(autouse=True)
 def bare(monkeypatch):
     """A bare machine: no launcher's variable is set."""
     for name in list(os.environ):
-        if name.startswith(_PREFIXES) or name in _NAMES:
+        if is_launcher_variable(name):
             monkeypatch.delenv(name)
     return monkeypatch
 

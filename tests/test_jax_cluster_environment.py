@@ -22,6 +22,7 @@ import time
 
 import keras
 import pytest
+from cluster_launchers import SLURM_TASK_1_OF_2_NODES
 
 from keras_parallel.backends.jax import runtime
 
@@ -90,15 +91,7 @@ def test_without_joining_each_process_trains_alone(tmp_path, one_device):
         check_one_group(tmp_path, one_device)
 
 
-SLURM = {
-    "SLURM_NTASKS": "2",
-    "SLURM_STEP_ID": "0",
-    "SLURM_STEP_NUM_TASKS": "2",
-    "SLURM_PROCID": "1",
-    "SLURM_LOCALID": "1",
-    "SLURM_STEP_NODELIST": "node[01-02]",
-    "SLURM_JOB_ID": "123456",
-}
+SLURM = SLURM_TASK_1_OF_2_NODES
 
 
 def test_cluster_arguments_come_from_the_detected_environment():
@@ -301,20 +294,25 @@ def test_a_failed_join_names_itself_offers_the_opt_out_and_fails_again(tmp_path)
     assert not found["initialized"]
 
 
-@jax_only
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("order", ["keras_parallel_first", "keras_first"])
-def test_both_import_orders_join(tmp_path, order):
-    done = start_two(
-        tmp_path,
+def start_join_script(out, *args, timeout):
+    """`cluster_join_script.py` with `args`, in two processes as srun starts them."""
+    return start_two(
+        out,
         "srun",
         "jax",
         ports=1,
         script="cluster_join_script.py",
-        args=(order,),
-        timeout=120,
+        args=args,
+        timeout=timeout,
         XLA_FLAGS=DEVICES,
     )
+
+
+@jax_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["keras_parallel_first", "keras_first"])
+def test_both_import_orders_join(tmp_path, order):
+    done = start_join_script(tmp_path, order, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     assert sorted(line["rank"] for line in lines) == [0, 1], done.stdout
@@ -331,16 +329,7 @@ def test_a_rank_that_raises_ends_both_processes_at_once(tmp_path):
     shutdown barrier for rank 0, which waits for rank 1: 300 s.
     """
     started = time.monotonic()
-    done = start_two(
-        tmp_path,
-        "srun",
-        "jax",
-        ports=1,
-        script="cluster_join_script.py",
-        args=("keras_parallel_first", 1),
-        timeout=60,
-        XLA_FLAGS=DEVICES,
-    )
+    done = start_join_script(tmp_path, "keras_parallel_first", 1, timeout=60)
     assert time.monotonic() - started < 60
     assert done.returncode != 0
     assert "keras_parallel: rank 1 of 2 raised the error below" in done.stderr

@@ -8,7 +8,6 @@ fed only its own rows. Each launch has a hard timeout and its own session,
 killed whole if it runs over; no process may be left.
 """
 
-import json
 import os
 import time
 
@@ -20,6 +19,7 @@ pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX processes (tox -e jax)"
 )
 
+from cluster_launchers import max_rel, results  # noqa: E402
 from subprocesses import (  # noqa: E402
     checkout_env,
     jax_launch_command,
@@ -45,30 +45,10 @@ def launch(out, case, *options):
     return run_in_session(command, checkout_env(KERAS_BACKEND="jax"), TIMEOUT_S)
 
 
-def results(out):
-    weights = []
-    infos = []
-    for process in (0, 1):
-        with np.load(os.path.join(out, f"weights{process}.npz")) as f:
-            weights.append([f[k] for k in sorted(f.files, key=lambda k: int(k[4:]))])
-        with open(os.path.join(out, f"info{process}.json")) as f:
-            infos.append(json.load(f))
-    return weights, infos
-
-
 def reference(case, distributed):
     model = script.build(case, seed=1, distributed=distributed)
     script.train(model, case)
     return [np.asarray(v.value) for v in model.weights]
-
-
-def max_rel(a_weights, b_weights):
-    assert a_weights, "no weights to compare"
-    assert len(a_weights) == len(b_weights), (len(a_weights), len(b_weights))
-    return max(
-        float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-12)
-        for a, b in zip(a_weights, b_weights, strict=True)
-    )
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import sys
 
 import keras
 import pytest
+from cluster_launchers import SLURM_TASK_1_OF_2_NODES
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
@@ -79,16 +80,7 @@ def test_without_joining_the_workers_fail_at_once(tmp_path):
     assert not os.listdir(tmp_path)  # No worker trained.
 
 
-SLURM = {
-    "SLURM_NTASKS": "2",
-    "SLURM_STEP_ID": "0",
-    "SLURM_STEP_NUM_TASKS": "2",
-    "SLURM_PROCID": "1",
-    "SLURM_LOCALID": "1",
-    "SLURM_STEP_NODELIST": "node[01-02]",
-    "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-    "SLURM_JOB_ID": "123456",
-}
+SLURM = SLURM_TASK_1_OF_2_NODES
 
 
 def test_tf_config_is_filled_from_the_launcher_where_unset():

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
     reason="TensorFlow workers (tox -e tensorflow)",
 )
 
+from cluster_launchers import max_rel  # noqa: E402
 from subprocesses import checkout_env, run_in_session, running  # noqa: E402
 
 if keras.backend.backend() == "tensorflow":
@@ -109,15 +110,6 @@ def one_device():
         batches = [order[i : i + 64].tolist() for i in range(0, len(order), 64)]
         out[case] = model, batches
     return out
-
-
-def max_rel(a_weights, b_weights):
-    assert a_weights, "no weights to compare"
-    assert len(a_weights) == len(b_weights), (len(a_weights), len(b_weights))
-    return max(
-        float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-12)
-        for a, b in zip(a_weights, b_weights, strict=True)
-    )
 
 
 @pytest.mark.parametrize("case", CASES)
