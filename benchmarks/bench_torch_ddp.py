@@ -21,12 +21,20 @@ printed (rank 0). Target: ratio at most 1.10.
 Usage:
 
     KERAS_BACKEND=torch python benchmarks/bench_torch_ddp.py [--samples 4096]
+
+`--two-nodes` starts the two processes as two nodes of one process each
+(`keras-parallel launch --nnodes 2 --node-rank R --nproc-per-node 1`, two
+launchers on 127.0.0.1, torchrun's rendezvous between them: how a cluster
+starts them) instead of `keras_parallel.launch`'s spawned processes.
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -168,23 +176,84 @@ def worker(samples, batches, rounds):
     return results
 
 
+def node_worker(out, samples, batches, rounds):
+    """One process of a `--two-nodes` run: rank 0 writes the results to `out`."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # As keras_parallel.launch's processes.
+    results = worker(samples, batches, rounds)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({str(batch): times for batch, times in results.items()}, f)
+
+
+def launch_two_nodes(args):
+    """Two `keras-parallel launch --nnodes 2` of one process each; rank 0's results."""
+    from keras_parallel.launcher.ports import free_port
+
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=root)
+    with tempfile.TemporaryDirectory() as directory:
+        out = os.path.join(directory, "results.json")
+        worker_args = [
+            out,
+            str(args.samples),
+            str(args.rounds),
+            *map(str, args.batches),
+        ]
+        nodes = []
+        for node in (0, 1):
+            command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
+            command += ["--backend", "torch", "--nnodes", "2", "--node-rank", str(node)]
+            command += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1"]
+            command += ["--master-port", str(port), os.path.abspath(__file__)]
+            nodes.append(
+                subprocess.Popen([*command, "--node-worker", *worker_args], env=env)
+            )
+        try:
+            for process in nodes:
+                if process.wait(timeout=3600) != 0:
+                    raise RuntimeError(f"a node's launch failed: {process.args}")
+        finally:
+            for process in nodes:
+                if process.poll() is None:
+                    process.kill()
+        with open(out) as f:
+            return {int(batch): times for batch, times in json.load(f).items()}
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--node-worker":
+        out, samples, rounds, *batches = argv[1:]
+        return node_worker(out, int(samples), [int(b) for b in batches], int(rounds))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 512])
+    parser.add_argument(
+        "--two-nodes",
+        action="store_true",
+        help="two keras-parallel launch --nnodes 2 of one process each",
+    )
     args = parser.parse_args(argv)
     from keras_parallel.launcher.torch_processes import launch
 
-    results = launch(
-        worker,
-        2,
-        args=(args.samples, args.batches, args.rounds),
-        threads_per_process=1,
-        timeout=3600,
-    )[0]
+    if args.two_nodes:
+        results = launch_two_nodes(args)
+    else:
+        results = launch(
+            worker,
+            2,
+            args=(args.samples, args.batches, args.rounds),
+            threads_per_process=1,
+            timeout=3600,
+        )[0]
+    how = "2 nodes of 1 process (torchrun)" if args.two_nodes else "2 processes"
     print(
-        f"2 gloo processes x 1 thread, {args.samples} samples, "
+        f"{how}, gloo, 1 thread each, {args.samples} samples, "
         f"{args.rounds} interleaved rounds (median)"
     )
     print(

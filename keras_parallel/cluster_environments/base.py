@@ -1,6 +1,7 @@
 """What every cluster environment shares: the base class and its error."""
 
 import os
+import socket
 
 
 class ClusterEnvironmentError(ValueError):
@@ -39,6 +40,31 @@ def positive_seconds(environ, variable, default, example):
             f"set it to, e.g., {example}, or unset it for {default:g}",
         )
     return seconds
+
+
+def bind_error(host, port):
+    """Why a server could not listen on `port` here, or None where it could.
+
+    Binds as the runtimes' servers will (gRPC's listeners for TensorFlow's
+    workers and JAX's coordinator, libuv's for torch's store all set
+    SO_REUSEADDR): a port whose last run left only TIME-WAIT connections is
+    free to them, while one that something listens on is refused. A plain
+    bind would refuse both, for about 60 s.
+
+    Args:
+        host: the address to bind (`""`: every interface).
+        port: the port.
+
+    Returns:
+        The `OSError` of the bind, or None.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return error
+    return None
 
 
 def host_port(host, port):

@@ -20,12 +20,12 @@ the waiting process would run.
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 
 from keras_parallel.cluster_environments import record_joined
 from keras_parallel.cluster_environments.base import (
+    bind_error,
     environment_error,
     positive_seconds,
 )
@@ -83,23 +83,18 @@ def check_port_free(env, address):
             variables that set it and the rank.
     """
     port = int(address.rsplit(":", 1)[1])
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        # As the runtimes' listeners: a port left in TIME_WAIT by an
-        # earlier attempt is free, one that a program listens on is not.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as error:
-            raise environment_error(
-                f"{env.name}: rank {env.global_rank()} must listen on port "
-                f"{port}, which is taken on this host ({error.strerror}): "
-                "another program holds it, or another process of this job "
-                f"was given the same {env.RANK_VAR}",
-                env.describe(),
-                f"free the port, or choose another (this one comes from "
-                f"{env.port_source()}), or give each process its own "
-                f"{env.RANK_VAR}",
-            ) from None
+    error = bind_error("", port)
+    if error is not None:
+        raise environment_error(
+            f"{env.name}: rank {env.global_rank()} must listen on port "
+            f"{port}, which is taken on this host ({error.strerror}): "
+            "another program holds it, or another process of this job "
+            f"was given the same {env.RANK_VAR}",
+            env.describe(),
+            f"free the port, or choose another (this one comes from "
+            f"{env.port_source()}), or give each process its own "
+            f"{env.RANK_VAR}",
+        )
 
 
 def join_failure_message(env, address, seconds):
