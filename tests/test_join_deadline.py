@@ -121,7 +121,7 @@ def test_a_taken_port_is_named_with_its_variables():
                     '"task": {"type": "worker", "index": 1}}'
                 }
             ),
-            ["TF_CONFIG's cluster.worker list", "TF_CONFIG's task.index"],
+            ["TF_CONFIG's cluster.worker lists 2", "TF_CONFIG's task.index"],
         ),
     ],
     ids=["slurm", "openmpi", "torchelastic", "keras", "tf_config"],
@@ -135,6 +135,26 @@ def test_the_message_names_each_environments_variables(env, names):
     assert "rank 0 could listen on h0:1234" in message
     for name in names:
         assert name in message
+
+
+def test_a_tf_config_index_outside_its_workers_is_named():
+    config = '{"cluster": {"worker": ["h0:1", "h1:1"]}, "task": {"index": 2}}'
+    env = TFConfigEnvironment({"TF_CONFIG": config})
+    with pytest.raises(
+        ClusterEnvironmentError, match=r"task.index must be in \[0, 2\)"
+    ):
+        env.global_rank()
+
+
+def test_without_a_python_to_run_the_watchdog_the_join_warns_and_waits(
+    monkeypatch,
+):
+    """A frozen application's `sys.executable` is itself: no watchdog then."""
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    with pytest.warns(UserWarning, match="cannot bound the wait"):
+        with join_deadline.join_deadline(slurm(), "127.0.0.1:18456"):
+            ran = True
+    assert ran
 
 
 # ------------------------------------------------- the watchdog, in a process

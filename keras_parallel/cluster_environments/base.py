@@ -165,6 +165,10 @@ class ClusterEnvironment:
         """The port on `main_address()` where the others meet."""
         raise NotImplementedError
 
+    def world_size_text(self):
+        """Where the world size comes from, for messages: `VARIABLE=value`."""
+        return f"{self.WORLD_SIZE_VAR}={self.world_size()}"
+
     def port_source(self):
         """Where `main_port()` comes from, for messages: a variable to set."""
         return "MASTER_PORT"

@@ -22,6 +22,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import warnings
 
 from keras_parallel.cluster_environments import record_joined
 from keras_parallel.cluster_environments.base import (
@@ -37,19 +38,18 @@ JOIN_TIMEOUT_VAR = "KERAS_PARALLEL_JOIN_TIMEOUT"
 #: more there.
 DEFAULT_JOIN_TIMEOUT_S = 45.0
 
-# Ends the process `argv[1]` after `argv[2]` seconds, printing `argv[3]`;
-# ends itself if that process ends first (its parent changes).
+# Ends the process `argv[1]` after `argv[2]` seconds, printing `argv[3]`,
+# unless its stdin (a pipe from that process) closes first: the join ended,
+# or the process did. Ctrl-C is the process's to handle, not the watchdog's.
 _WATCHDOG = """
-import os, signal, sys, time
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 parent, seconds, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
-deadline = time.monotonic() + seconds
-while time.monotonic() < deadline:
-    if os.getppid() != parent:
-        sys.exit(0)
-    time.sleep(0.2)
-sys.stderr.write(message + "\\n")
-sys.stderr.flush()
-os.kill(parent, signal.SIGKILL)
+closed, _, _ = select.select([sys.stdin], [], [], seconds)
+if not closed:
+    sys.stderr.write(message + "\\n")
+    sys.stderr.flush()
+    os.kill(parent, signal.SIGKILL)
 """
 
 
@@ -104,9 +104,9 @@ def join_failure_message(env, address, seconds):
         f"keras_parallel: rank {env.global_rank()} of {size} did not meet the "
         f"other processes of its {env.name} job within {seconds:g} s "
         f"({JOIN_TIMEOUT_VAR}), so it ends. Received: {env.describe()}; check "
-        f"that all {size} processes were started ({env.WORLD_SIZE_VAR}="
-        f"{size}), each with its own {env.RANK_VAR} from 0 to {size - 1}, "
-        f"and that rank 0 could listen on {address} (its port from "
+        f"that all {size} processes were started ({env.world_size_text()}), "
+        f"each with its own {env.RANK_VAR} from 0 to {size - 1}, and that "
+        f"rank 0 could listen on {address} (its port derived from "
         f"{env.port_source()}). Where processes start more than {seconds:g} s "
         f"apart (Kubernetes pods pulling images), set {JOIN_TIMEOUT_VAR} to "
         "more seconds."
@@ -135,23 +135,42 @@ def join_deadline(env, address):
     ```
     """
     seconds = join_timeout_seconds(env.environ)
-    message = join_failure_message(env, address, seconds)
-    watchdog = subprocess.Popen(
-        [
-            sys.executable,
-            "-S",
-            "-c",
-            _WATCHDOG,
-            str(os.getpid()),
-            str(seconds),
-            message,
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    watchdog = _start_watchdog(seconds, join_failure_message(env, address, seconds))
     try:
         yield
     finally:
-        watchdog.kill()
-        watchdog.wait()
+        if watchdog is not None:
+            watchdog.stdin.close()  # The watchdog's signal to end quietly.
+            try:
+                watchdog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                watchdog.kill()
+                watchdog.wait()
     record_joined(env)
+
+
+def _start_watchdog(seconds, message):
+    """The watchdog process, or None (with a warning) where none can run.
+
+    A frozen application's `sys.executable` is the application itself, and
+    an embedded interpreter's may be none: there the join waits as long as
+    the runtime lets it.
+    """
+    command = [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid())]
+    try:
+        if getattr(sys, "frozen", False) or not sys.executable:
+            raise OSError(f"sys.executable={sys.executable!r} is not a Python")
+        return subprocess.Popen(
+            [*command, str(seconds), message],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
+    except OSError as error:
+        warnings.warn(
+            f"keras_parallel cannot bound the wait for the other processes "
+            f"({JOIN_TIMEOUT_VAR}): no Python to run its watchdog. Received: "
+            f"{error}; a mistake in the cluster's variables will end this "
+            "process only at the runtime's own timeout.",
+            stacklevel=3,
+        )
+        return None

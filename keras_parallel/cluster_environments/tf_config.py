@@ -106,7 +106,7 @@ class TFConfigEnvironment(ClusterEnvironment):
     """
 
     name = "TF_CONFIG"
-    WORLD_SIZE_VAR = "TF_CONFIG's cluster.worker list"
+    WORLD_SIZE_VAR = "TF_CONFIG's cluster.worker"
     RANK_VAR = "TF_CONFIG's task.index"
 
     @classmethod
@@ -117,7 +117,17 @@ class TFConfigEnvironment(ClusterEnvironment):
         return max(len(cluster_workers(self.environ)[0]), 1)
 
     def global_rank(self):
-        return cluster_workers(self.environ)[1]
+        addresses, index = cluster_workers(self.environ)
+        if not 0 <= index < len(addresses):
+            raise environment_error(
+                f"TF_CONFIG's task.index must be in [0, {len(addresses)})",
+                f"task.index={index} with {len(addresses)} workers listed",
+                "give each worker its place in cluster.worker as its index",
+            )
+        return index
+
+    def world_size_text(self):
+        return f"{self.WORLD_SIZE_VAR} lists {self.world_size()}"
 
     def worker_addresses(self):
         return cluster_workers(self.environ)[0]

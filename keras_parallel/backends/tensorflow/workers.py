@@ -138,11 +138,13 @@ def _bounded_join(filled):
     worker (`join_deadline`). The messages name the launcher's variables
     where `TF_CONFIG` was computed from them (`filled`), else `TF_CONFIG`.
     """
+    workers = tf_config.TFConfigEnvironment()
+    index = workers.global_rank()  # An index out of the list fails here.
+    addresses = workers.worker_addresses()
     if filled:
         env = cluster_environments.detect_cluster_environment().validate()
     else:
-        env = tf_config.TFConfigEnvironment()
-    addresses, index = cluster_workers()
+        env = workers
     join_deadline.check_port_free(env, addresses[index])
     with join_deadline.join_deadline(env, addresses[0]):
         yield
