@@ -13,12 +13,14 @@ Then, each in a process of its own: with no cluster, importing Keras
 imports no module of the TensorFlow backend (and so none of its checks of
 Keras's internals: an unsupported Keras still imports); with one, such a
 check's error and a `TF_CONFIG` of other roles than workers fail the import
-with the join's error.
+with the join's error. Last, a worker that raises after the join is named,
+and both end within seconds.
 """
 
 import json
 import os
 import sys
+import time
 
 import keras
 import pytest
@@ -34,6 +36,7 @@ if keras.backend.backend() == "tensorflow":
     from cluster_launchers import (
         assert_plan_names_the_cluster,
         bare_env,
+        exit_codes,
         one_process_reference,
         results,
         start_two,
@@ -187,3 +190,32 @@ def test_a_tf_config_of_a_parameter_server_cluster_is_refused(tmp_path):
     assert "TF_CONFIG names a 'ps' task" in message
     assert 'only clusters of "worker" tasks' in message
     assert found["backend_modules"] == []  # Refused before any was imported.
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_raises_is_named_and_both_end(tmp_path):
+    """Rank 1 raises after the join while rank 0 waits for it in a sum.
+
+    Each worker prints its error under its rank (keras_parallel's
+    excepthook) and both end within seconds: TensorFlow has no shutdown
+    barrier to wait at, and rank 0's sum fails once rank 1 is gone.
+    """
+    started = time.monotonic()
+    done = start_two(
+        tmp_path,
+        "srun",
+        "tensorflow",
+        3,
+        script="tensorflow_join_script.py",
+        args=(1,),
+        timeout=90,
+        **VARIABLES,
+    )
+    assert time.monotonic() - started < 60
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert sorted(line["rank"] for line in lines) == [0, 1], done.stderr[-3000:]
+    assert all(line["replicas"] == 4.0 for line in lines)  # 2 workers x 2.
+    assert all(code != 0 for code in exit_codes(done))
+    assert "keras_parallel: rank 1 of 2 raised the error below" in done.stderr
+    assert "RuntimeError: rank 1 raises after the join" in done.stderr
+    assert "keras_parallel: rank 0 of 2 raised the error below" in done.stderr
