@@ -35,8 +35,9 @@ from keras_parallel.cluster_environments import (
 from keras_parallel.cluster_environments.tf_config import TFConfigEnvironment
 
 BACKEND = keras.backend.backend()
-#: Short, for the tests' time; the processes still start within it.
-JOIN_TIMEOUT = "10"
+#: Short, for the tests' time: every end-to-end case here is a mistake,
+#: in which no process may join, so no deadline is too short for it.
+JOIN_TIMEOUT = "3"
 
 
 def slurm(rank=0, **more):
@@ -135,6 +136,20 @@ def test_the_message_names_each_environments_variables(env, names):
     assert "rank 0 could listen on h0:1234" in message
     for name in names:
         assert name in message
+
+
+def test_a_tf_config_in_the_process_environment_is_described(monkeypatch):
+    """`os.environ`, unlike a dict, refuses to look up a variable named None."""
+    config = '{"cluster": {"worker": ["h0:1", "h1:2"]}, "task": {"index": 1}}'
+    monkeypatch.setenv("TF_CONFIG", config)
+    env = TFConfigEnvironment()
+    assert env.describe() == (
+        "TF_CONFIG (world size 2, rank 1, local rank None, node rank None, "
+        "main address h0:1)"
+    )
+    assert "TF_CONFIG's task.index from 0 to 1" in join_deadline.join_failure_message(
+        env, "h0:1", 45.0
+    )
 
 
 def test_a_tf_config_index_outside_its_workers_is_named():

@@ -97,6 +97,8 @@ class ClusterEnvironment:
         raise NotImplementedError
 
     def _get(self, variable):
+        if variable is None:
+            return None  # An environment that has no such variable.
         value = self.environ.get(variable)
         return value.strip() if value and value.strip() else None
 
