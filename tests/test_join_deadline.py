@@ -85,6 +85,27 @@ def test_a_taken_port_is_named_with_its_variables():
     join_deadline.check_port_free(slurm(), f"127.0.0.1:{port}")
 
 
+def test_a_port_taken_while_the_runtime_bound_it_is_named():
+    # Two processes of one rank both find the port free; the later one's
+    # runtime then fails to bind with an error that names no variable.
+    port = free_port_run(1)
+    with socket.socket() as holder:
+        with pytest.raises(ClusterEnvironmentError, match="which is taken") as caught:
+            with join_deadline.port_checked(slurm(), f"127.0.0.1:{port}"):
+                holder.bind(("127.0.0.1", port))
+                holder.listen()
+                raise RuntimeError("EADDRINUSE")
+    assert "SLURM_PROCID" in str(caught.value)
+    assert str(caught.value.__cause__) == "EADDRINUSE"
+
+
+def test_a_runtime_failure_with_the_port_free_is_left_as_it_was():
+    port = free_port_run(1)
+    with pytest.raises(RuntimeError, match="^something else$"):
+        with join_deadline.port_checked(slurm(), f"127.0.0.1:{port}"):
+            raise RuntimeError("something else")
+
+
 @pytest.mark.parametrize(
     "env, names",
     [
@@ -261,11 +282,6 @@ def test_a_rank_nobody_started_ends_the_others_naming_the_count_and_rank(tmp_pat
     assert "SLURM_PROCID from 0 to 1" in stderr
 
 
-@pytest.mark.skipif(
-    BACKEND != "jax",
-    reason="the port check and the deadline it ends by are tested on this "
-    "backend by the other two mistakes (test time)",
-)
 @pytest.mark.timeout(180)
 def test_two_processes_of_one_rank_both_end_naming_the_rank(tmp_path):
     stderr = start_with_mistake(tmp_path, ranks=(0, 0))

@@ -26,6 +26,7 @@ import warnings
 
 from keras_parallel.cluster_environments import record_joined
 from keras_parallel.cluster_environments.base import (
+    ClusterEnvironmentError,
     bind_error,
     environment_error,
     positive_seconds,
@@ -95,6 +96,43 @@ def check_port_free(env, address):
             f"{env.port_source()}), or give each process its own "
             f"{env.RANK_VAR}",
         )
+
+
+@contextlib.contextmanager
+def port_checked(env, address):
+    """Checks `address`'s port before the body binds it, and again if it fails.
+
+    Two processes given the same rank can both find the port free, then
+    the runtime of the later one fails to bind it with its own error
+    (torch: `EADDRINUSE`; TensorFlow: "Could not start gRPC server"), which
+    names neither the port's variable nor the rank's. Where the body fails
+    and the port is taken by then, the named error is raised instead, from
+    the runtime's (which the traceback keeps).
+
+    Args:
+        env: the detected `ClusterEnvironment`.
+        address: `host:port`, the port the body binds.
+
+    Raises:
+        ClusterEnvironmentError: the port is taken, before the body or
+            after it failed.
+
+    Example:
+
+    ```python
+    with port_checked(env, "0.0.0.0:1234"):
+        start_the_server_on(1234)
+    ```
+    """
+    check_port_free(env, address)
+    try:
+        yield
+    except Exception as error:
+        try:
+            check_port_free(env, address)
+        except ClusterEnvironmentError as named:
+            raise named from error
+        raise
 
 
 def join_failure_message(env, address, seconds):

@@ -145,9 +145,9 @@ def _bounded_join(filled):
         env = cluster_environments.detect_cluster_environment().validate()
     else:
         env = workers
-    join_deadline.check_port_free(env, addresses[index])
-    with join_deadline.join_deadline(env, addresses[0]):
-        yield
+    with join_deadline.port_checked(env, addresses[index]):
+        with join_deadline.join_deadline(env, addresses[0]):
+            yield
 
 
 class ExactMultiWorkerMirroredStrategy(

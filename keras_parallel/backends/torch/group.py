@@ -153,9 +153,10 @@ def _bounded_join(env):
         return
     address = host_port(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if env.global_rank() == 0 and not agent_store:
-        join_deadline.check_port_free(env, address)
-    with join_deadline.join_deadline(env, address):
+    with contextlib.ExitStack() as checks:
+        if env.global_rank() == 0 and not agent_store:
+            checks.enter_context(join_deadline.port_checked(env, address))
+        checks.enter_context(join_deadline.join_deadline(env, address))
         yield
 
 
