@@ -40,18 +40,28 @@ JOIN_TIMEOUT_VAR = "KERAS_PARALLEL_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT_S = 45.0
 
 # Ends the process `argv[1]` after `argv[2]` seconds, printing `argv[3]`,
-# unless its stdin (a pipe from that process) closes first: the join ended,
-# or the process did. Ctrl-C is the process's to handle, not the watchdog's.
+# unless its stdin (a pipe from that process) closes first. The process
+# writes `_JOINED` before it closes it, whether the join returned or raised
+# (a Python error says what it is); a pipe closed without it means the
+# process died inside the runtime's join (JAX segfaults where its port is
+# taken), and `argv[4]` says what to check. Ctrl-C is the process's to
+# handle, not the watchdog's.
 _WATCHDOG = """
 import os, select, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-parent, seconds, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+parent, seconds = int(sys.argv[1]), float(sys.argv[2])
+late, died = sys.argv[3], sys.argv[4]
 closed, _, _ = select.select([sys.stdin], [], [], seconds)
 if not closed:
-    sys.stderr.write(message + "\\n")
+    sys.stderr.write(late + "\\n")
     sys.stderr.flush()
     os.kill(parent, signal.SIGKILL)
+elif sys.stdin.buffer.read() != b"joined":
+    sys.stderr.write(died + "\\n")
+    sys.stderr.flush()
 """
+#: What the joining process writes to its watchdog once the join is over.
+_JOINED = b"joined"
 
 
 def join_timeout_seconds(environ=None):
@@ -143,11 +153,29 @@ def join_failure_message(env, address, seconds):
         f"other processes of its {env.name} job within {seconds:g} s "
         f"({JOIN_TIMEOUT_VAR}), so it ends. Received: {env.describe()}; check "
         f"that all {size} processes were started ({env.world_size_text()}), "
-        f"each with its own {env.RANK_VAR} from 0 to {size - 1}, and that "
-        f"rank 0 could listen on {address} (its port derived from "
-        f"{env.port_source()}). Where processes start more than {seconds:g} s "
-        f"apart (Kubernetes pods pulling images), set {JOIN_TIMEOUT_VAR} to "
-        "more seconds."
+        f"{_each_rank_and_the_port(env, address)}. Where processes start more "
+        f"than {seconds:g} s apart (Kubernetes pods pulling images), set "
+        f"{JOIN_TIMEOUT_VAR} to more seconds."
+    )
+
+
+def join_crash_message(env, address):
+    """What the watchdog prints where the process died inside the join."""
+    return (
+        f"keras_parallel: rank {env.global_rank()} of {env.world_size()} "
+        f"ended while it joined the other processes of its {env.name} job: "
+        "it was killed, or the runtime crashed (its last lines are above). "
+        f"Received: {env.describe()}; check {_each_rank_and_the_port(env, address)}"
+        ": two processes of one rank, or another program on rank 0's port, "
+        "crash some runtimes (JAX) before they can say which."
+    )
+
+
+def _each_rank_and_the_port(env, address):
+    return (
+        f"that each process has its own {env.RANK_VAR} from 0 to "
+        f"{env.world_size() - 1}, and that rank 0 could listen on {address} "
+        f"(its port derived from {env.port_source()})"
     )
 
 
@@ -173,12 +201,20 @@ def join_deadline(env, address):
     ```
     """
     seconds = join_timeout_seconds(env.environ)
-    watchdog = _start_watchdog(seconds, join_failure_message(env, address, seconds))
+    watchdog = _start_watchdog(
+        seconds,
+        join_failure_message(env, address, seconds),
+        join_crash_message(env, address),
+    )
     try:
         yield
     finally:
         if watchdog is not None:
-            watchdog.stdin.close()  # The watchdog's signal to end quietly.
+            try:
+                watchdog.stdin.write(_JOINED)  # Its signal to end quietly.
+                watchdog.stdin.close()
+            except OSError:
+                pass  # It ended already (killed with the process group).
             try:
                 watchdog.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -187,7 +223,7 @@ def join_deadline(env, address):
     record_joined(env)
 
 
-def _start_watchdog(seconds, message):
+def _start_watchdog(seconds, late_message, crash_message):
     """The watchdog process, or None (with a warning) where none can run.
 
     A frozen application's `sys.executable` is the application itself, and
@@ -199,7 +235,7 @@ def _start_watchdog(seconds, message):
         if getattr(sys, "frozen", False) or not sys.executable:
             raise OSError(f"sys.executable={sys.executable!r} is not a Python")
         return subprocess.Popen(
-            [*command, str(seconds), message],
+            [*command, str(seconds), late_message, crash_message],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
         )
