@@ -202,6 +202,8 @@ WAITER = textwrap.dedent(
     with join_deadline.join_deadline(env, "127.0.0.1:18456"):
         if sys.argv[1] == "crash":
             os.abort()  # As JAX's runtime does where its port is taken.
+        if sys.argv[1] == "raise":
+            raise RuntimeError("the runtime's own error")
         time.sleep(float(sys.argv[1]))
     print("joined", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -239,6 +241,16 @@ def test_a_process_that_dies_inside_the_join_is_named_by_its_watchdog(tmp_path):
     assert "its own SLURM_PROCID from 0 to 1" in done.stderr
     assert "did not meet" not in done.stderr
     assert not gone(str(tmp_path))
+
+
+@pytest.mark.timeout(120)
+def test_a_python_error_inside_the_join_is_left_to_say_itself(tmp_path):
+    # The error names what it is; the watchdog adds no second story.
+    done, _ = run_waiter(tmp_path, "raise", 0)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "RuntimeError: the runtime's own error" in done.stderr
+    assert "ended while it joined" not in done.stderr
+    assert "did not meet" not in done.stderr
 
 
 @pytest.mark.timeout(120)

@@ -39,6 +39,9 @@ JOIN_TIMEOUT_VAR = "KERAS_PARALLEL_JOIN_TIMEOUT"
 #: more there.
 DEFAULT_JOIN_TIMEOUT_S = 45.0
 
+#: What the joining process writes to its watchdog once the join is over.
+_JOINED = b"joined"
+
 # Ends the process `argv[1]` after `argv[2]` seconds, printing `argv[3]`,
 # unless its stdin (a pipe from that process) closes first. The process
 # writes `_JOINED` before it closes it, whether the join returned or raised
@@ -46,7 +49,7 @@ DEFAULT_JOIN_TIMEOUT_S = 45.0
 # process died inside the runtime's join (JAX segfaults where its port is
 # taken), and `argv[4]` says what to check. Ctrl-C is the process's to
 # handle, not the watchdog's.
-_WATCHDOG = """
+_WATCHDOG = f"""
 import os, select, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 parent, seconds = int(sys.argv[1]), float(sys.argv[2])
@@ -56,12 +59,10 @@ if not closed:
     sys.stderr.write(late + "\\n")
     sys.stderr.flush()
     os.kill(parent, signal.SIGKILL)
-elif sys.stdin.buffer.read() != b"joined":
+elif sys.stdin.buffer.read() != {_JOINED!r}:
     sys.stderr.write(died + "\\n")
     sys.stderr.flush()
 """
-#: What the joining process writes to its watchdog once the join is over.
-_JOINED = b"joined"
 
 
 def join_timeout_seconds(environ=None):
