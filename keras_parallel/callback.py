@@ -5,8 +5,10 @@ import keras
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
 from keras_parallel.persistence import atomic
+from keras_parallel.replacements import Replacements
 
 _PHASES = ("train", "test", "predict")
+_STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
 
 
 class ShardingCallback(keras.callbacks.Callback):
@@ -15,7 +17,11 @@ class ShardingCallback(keras.callbacks.Callback):
     The same machinery as `DistributedModel`, entered through the callback
     hooks: at `set_model` (the model, optimizer and metrics are built, the
     step function not made yet) the plan is resolved, validated and applied;
-    when the run ends, global state is put back as it was.
+    when the run ends, global state is put back as it was, and so are the
+    model's step functions: the same model then runs plainly on one device
+    (`model.predict(x)` with no callback), while its variables keep their
+    distributed placement. The next run through this callback reuses the
+    steps it compiled.
 
     If `fit` raises, Keras calls no callback at the end; the distribution
     then stays in force until this callback's next run or `close()`. Prefer
@@ -46,6 +52,13 @@ class ShardingCallback(keras.callbacks.Callback):
         self.binding = Binding(distribution)
         self._phase = None
         self._undo_saving = None
+        #: The model's own step functions, put back when the run ends.
+        self._plain_steps = None
+        #: The steps compiled for the plan, kept for the next run.
+        self._distributed_steps = {}
+        self._steps_version = None
+        self._run_ends = Replacements()
+        self._ending = False
 
     @property
     def distribution(self):
@@ -55,27 +68,67 @@ class ShardingCallback(keras.callbacks.Callback):
         if self.binding.active:
             # A run that raised left its scope entered: leave it first.
             self.close()
+        _check_model(model)
         super().set_model(model)
         # So that `describe(model)` finds the plan this callback applied;
         # set past Keras's and torch's attribute tracking.
         object.__setattr__(model, "_kp_callback_binding", self.binding)
-        if self.binding.prepare(model):
-            # Keras makes its step functions next; make them for this plan.
-            model.train_function = None
-            model.test_function = None
-            model.predict_function = None
+        self._plain_steps = {
+            name: getattr(model, name, None) for name in _STEP_FUNCTIONS
+        }
+        self.binding.prepare(model)
+        # Keras makes its step functions next; those of this plan are
+        # reused, others are made for it.
+        reuse = self._steps_version == self.binding.version
+        for name in _STEP_FUNCTIONS:
+            setattr(model, name, self._distributed_steps.get(name) if reuse else None)
         self.binding.enter(model)
         # `ModelCheckpoint`'s files appear whole, as a DistributedModel's do.
         self._undo_saving = atomic.atomic_saving(model, self.binding.executor)
+        self._end_runs_after_every_callback()
+
+    def _end_runs_after_every_callback(self):
+        # Keras calls this callback's `on_*_end` before those of the callbacks
+        # after it, the progress bar's among them: the run ends once the
+        # whole callback list has ended it (a silenced progress bar of a
+        # process other than 0 must not wake up for its end hook alone).
+        this = self
+        for phase in _PHASES:
+            name = f"on_{phase}_end"
+            keras_end = getattr(keras.callbacks.CallbackList, name)
+
+            def run_end(callback_list, logs=None, keras_end=keras_end, phase=phase):
+                this._ending = True
+                try:
+                    keras_end(callback_list, logs)
+                finally:
+                    this._ending = False
+                if this._phase == phase and this in callback_list.callbacks:
+                    this.close()
+
+            self._run_ends.replace(keras.callbacks.CallbackList, name, run_end)
 
     def close(self):
-        """Leaves the distribution's scope; safe to call more than once."""
+        """Ends the run: leaves the distribution's scope, puts back the
+        model's own step functions. Safe to call more than once."""
         self._phase = None
         while self.binding.active:
             self.binding.exit(self.model)
+        self._run_ends.restore()
         if self._undo_saving is not None:
             self._undo_saving()
             self._undo_saving = None
+        if self._plain_steps is not None:
+            model, plain, self._plain_steps = self.model, self._plain_steps, None
+            if self.binding.executor.released_after_a_callback_run:
+                # Planned and compiled anew by the next run.
+                self.binding.release(model)
+            for name in _STEP_FUNCTIONS:
+                function = getattr(model, name, None)
+                if function is not None and function is not plain[name]:
+                    self._distributed_steps[name] = function
+                setattr(model, name, plain[name])
+            self._steps_version = self.binding.version
 
     def _begin(self, phase):
         if self._phase is None:
@@ -85,7 +138,9 @@ class ShardingCallback(keras.callbacks.Callback):
         self.binding.wrap_steps(self.model)
 
     def _end(self, phase):
-        if self._phase == phase:
+        # Inside the callback list's end hook, the run ends after it
+        # (`_end_runs_after_every_callback`); called on its own, now.
+        if self._phase == phase and not self._ending:
             self.close()
 
     def on_train_begin(self, logs=None):
@@ -107,3 +162,13 @@ class ShardingCallback(keras.callbacks.Callback):
 
     def on_predict_end(self, logs=None):
         self._end("predict")
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "ShardingCallback distributes a keras.Model's fit, evaluate and "
+            f"predict. Received: a {type(model).__name__}, which is not a "
+            "keras.Model; build the model as a keras.Model (functional, "
+            "Sequential or a subclass of keras.Model) to distribute it."
+        )

@@ -206,18 +206,20 @@ REPLACED = (
     ),
     Target(
         "keras.src.callbacks.callback_list.CallbackList",
-        ("on_train_batch_end", "on_epoch_end"),
+        ("on_train_batch_end", "on_epoch_end")
+        + ("on_train_end", "on_test_end", "on_predict_end"),
         "after every training batch, whether the processes agreed to stop "
         "for a preemption signal (through their runtime's key-value store, "
         "`persistence/stop_agreement.py`), and the stop there with a backup "
-        "(`persistence/preemption.py`)",
+        "(`persistence/preemption.py`); a `ShardingCallback`'s run ended after "
+        "every callback's end hook, the progress bar's included (`callback.py`)",
     ),
     Target(
         "keras.src.trainers.epoch_iterator.EpochIterator",
-        ("__init__", "_enumerate_iterator"),
-        "remembers the training iterator, whose data adapter a resumed run "
-        "moves on, and which passes over the batches a mid-epoch backup had "
-        "trained (`persistence/backup.py`)",
+        "_enumerate_iterator",
+        "the first enumerated after a backup is looked for is the training "
+        "iterator: its data adapter a resumed run moves on, and it passes over "
+        "the batches a mid-epoch backup had trained (`persistence/backup.py`)",
     ),
     Target(
         "keras.src.saving.serialization_lib",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import resume_script
 
+import keras_parallel
 from keras_parallel.persistence import backup
 
 BACKEND = keras.backend.backend()
@@ -174,32 +175,49 @@ def test_damaged_backup_is_named_or_falls_back_to_the_previous(tmp_path, uninter
     assert_same(weights(model), uninterrupted)
 
 
-def test_mid_epoch_backup_resumes_after_the_batches_it_trained(tmp_path, uninterrupted):
+@pytest.mark.parametrize("door", ["model", "callback"])
+def test_mid_epoch_backup_resumes_after_the_batches_it_trained(
+    tmp_path, uninterrupted, door
+):
     # Saved every 2 batches; interrupted right after the save at epoch 2,
     # batch 3: 4 batches of that epoch trained, with their shuffle (not on
-    # TensorFlow) and dropout masks.
+    # TensorFlow) and dropout masks. Both doors resume alike: the callback
+    # door is handed the model after Keras made its training iterator.
     directory = str(tmp_path / "backup")
+
+    def build_and_door():
+        if door == "model":
+            return resume_script.build(), []
+        sharding = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+        return resume_script.build(distributed=False), [sharding]
+
+    model, doors = build_and_door()
     with pytest.raises(RuntimeError, match="interrupted"):
         fit(
-            resume_script.build(),
+            model,
             [
+                *doors,
                 keras.callbacks.BackupAndRestore(directory, save_freq=2),
                 Interrupt((2, 3)),
             ],
         )
+    for sharding in doors:
+        sharding.close()  # Keras calls no callback when fit raises.
     metadata = json.load(open(os.path.join(directory, "training_metadata.json")))
     assert metadata["epoch"] == 2
     assert metadata[backup.METADATA_KEY]["steps_done"] == 4
-    model = resume_script.build()
+    model, doors = build_and_door()
     seen = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_begin=lambda batch, logs: seen.append(batch)
     )
     history = fit(
-        model, [keras.callbacks.BackupAndRestore(directory, save_freq=2), record]
+        model,
+        [*doors, keras.callbacks.BackupAndRestore(directory, save_freq=2), record],
     )
     assert len(history.history["loss"]) == 2  # Epochs 2 (its rest) and 3.
     assert seen[:3] == [4, 5, 6]  # 7 batches an epoch (203 rows by 32).
+    assert len(seen) == 3 + 7  # 10 batches trained, 17 as Keras resumes.
     assert_same(weights(model), uninterrupted)
 
 

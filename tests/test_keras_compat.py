@@ -238,14 +238,14 @@ def test_replacements_restore_what_they_found_newest_first():
     from keras_parallel.replacements import Replacements
 
     trainer = keras_compat.EpochIterator
-    own = vars(trainer).get("__init__")
+    own = vars(trainer).get("_enumerate_iterator")
     outer, nested = Replacements(), Replacements()
-    outer.replace(trainer, "__init__", "outer")
-    nested.replace(trainer, "__init__", "nested")
+    outer.replace(trainer, "_enumerate_iterator", "outer")
+    nested.replace(trainer, "_enumerate_iterator", "nested")
     nested.restore()
-    assert vars(trainer)["__init__"] == "outer"
+    assert vars(trainer)["_enumerate_iterator"] == "outer"
     outer.restore()
-    assert vars(trainer).get("__init__") is own
+    assert vars(trainer).get("_enumerate_iterator") is own
     # An inherited attribute replaced on a subclass is deleted again.
     model = _owners()["keras.Model"]
     outer.replace(model, "save", "replaced")

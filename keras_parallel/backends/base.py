@@ -237,6 +237,13 @@ class Executor(abc.ABC):
 
         return ops.copy(value)
 
+    #: Whether a model must be released (`release`) for plain Keras to run
+    #: it right after a `ShardingCallback`'s run. JAX arrays and torch
+    #: tensors placed by a plan run plainly as they are (and a model split
+    #: over devices may not fit one); TensorFlow's metric variables of a
+    #: strategy sum their replicas, which plain Keras does not expect.
+    released_after_a_callback_run = False
+
     # ----------------------------------------------------------- checkpoints
     #: Whether `restore_checkpoint` reads a `keras.callbacks.OrbaxCheckpoint`
     #: folder on this backend (and `load_weights(folder)` goes there).

@@ -173,11 +173,18 @@ def _child(fn, args, rank, env, threads, results):
 
 
 def _describe(error):
-    from keras_parallel.backends.torch.group import PeerFailedError, publish_failure
+    from keras_parallel.backends.torch import group
 
     rank = int(os.environ.get("RANK", "0"))
+    secondary = isinstance(error, group.PeerFailedError)
     try:
-        publish_failure(rank, error)
+        if not secondary and group.is_collective_failure(error):
+            # A collective broken by a rank that failed first (outside a
+            # step: a callback, a check): that rank's error is the cause.
+            found = group.peer_failure()
+            secondary = found is not None and found[0] != rank
+        if not secondary:
+            group.publish_failure(rank, error)
     except Exception:
         pass
     try:
@@ -192,7 +199,7 @@ def _describe(error):
             traceback.format_exception(type(error), error, error.__traceback__)
         ),
         "pickled": payload,
-        "secondary": isinstance(error, PeerFailedError),
+        "secondary": secondary,
     }
 
 

@@ -77,12 +77,6 @@ class ExactBackups:
 
     def install(self):
         executor = self.executor
-        keras_init = EpochIterator.__init__
-
-        def remembered_init(iterator, *args, **kwargs):
-            keras_init(iterator, *args, **kwargs)
-            _latest_iterator[0] = weakref.ref(iterator)
-
         patches = {
             (callbacks.BackupAndRestore, "_save_model"): lambda cb: _save(cb, executor),
             (callbacks.BackupAndRestore, "_load_model"): lambda cb: _load(cb, executor),
@@ -90,7 +84,6 @@ class ExactBackups:
                 callbacks.BackupAndRestore,
                 "on_epoch_begin",
             ): lambda cb, epoch, logs=None: _epoch_begins(cb, epoch, executor),
-            (EpochIterator, "__init__"): remembered_init,
             (EpochIterator, "_enumerate_iterator"): _resumed_enumerate(
                 EpochIterator._enumerate_iterator
             ),
@@ -102,10 +95,13 @@ class ExactBackups:
         self._replacements.restore()
 
 
-#: The `EpochIterator` made last (a weak reference): `fit` makes its
-#: training iterator before `on_train_begin`, where a backup is loaded, and
-#: its validation iterator after.
-_latest_iterator = [None]
+#: The `BackupAndRestore` that loaded (or looked for) its backup last, whose
+#: training iterator is not known yet (a weak reference). `fit` makes its
+#: training iterator before `on_train_begin`, where the backup is loaded,
+#: and enumerates it first after: the next iterator enumerated is it. Found
+#: there, not where it is made, so that both doors find it (a
+#: `ShardingCallback` is handed the model after the iterator is made).
+_awaiting_iterator = [None]
 
 
 def _epoch_begins(callback, epoch, executor):
@@ -113,6 +109,10 @@ def _epoch_begins(callback, epoch, executor):
     # before it ends.
     callback._kp_epoch = epoch
     callback._kp_epoch_state = _random_state(callback.model, executor)
+    _count_resumed_epochs(callback)
+
+
+def _count_resumed_epochs(callback):
     reference = getattr(callback, "_kp_training_iterator", None)
     adapter = getattr(reference and reference(), "data_adapter", None)
     counted = getattr(callback, "_kp_counted_adapter", None)
@@ -122,7 +122,7 @@ def _epoch_begins(callback, epoch, executor):
         # keras-nightly shuffles by the adapter's count of the epochs this
         # `fit` ran: a run resumed at epoch k counts as if it had run k.
         callback._kp_counted_adapter = weakref.ref(adapter)
-        adapter._epoch += epoch
+        adapter._epoch += getattr(callback, "_kp_epoch", 0)
 
 
 def _resumed_enumerate(keras_enumerate):
@@ -131,8 +131,14 @@ def _resumed_enumerate(keras_enumerate):
     the backup is loaded)."""
 
     def enumerate_resumed(iterator):
-        skip = getattr(iterator, "_kp_steps_to_skip", 0)
-        iterator._kp_steps_to_skip = 0
+        reference, _awaiting_iterator[0] = _awaiting_iterator[0], None
+        callback = reference and reference()
+        skip = 0
+        if callback is not None:
+            callback._kp_training_iterator = weakref.ref(iterator)
+            _count_resumed_epochs(callback)
+            skip = getattr(callback, "_kp_steps_to_skip", 0)
+            callback._kp_steps_to_skip = 0
         passed = 0
         for item in keras_enumerate(iterator):
             begin_step, _, data = item
@@ -172,8 +178,7 @@ def _save(callback, executor):
         # own `_current_epoch` moves at epoch ends only, so it says 0 within
         # the first epoch of a resumed run.
         epoch = callback._kp_epoch
-        reference = getattr(callback, "_kp_training_iterator", None)
-        batches = getattr(reference and reference(), "num_batches", None)
+        batches = (callback.params or {}).get("steps")
         last_batch = batches and callback._last_batch_seen + 1 >= batches
         if callback.model.steps_per_execution == 1 and not last_batch:
             # Resumed after the trained batches: the epoch's shuffle from its
@@ -219,7 +224,8 @@ def _load(callback, executor):
             f"before you call `fit()`. Received: model {model.name!r}, unbuilt; "
             "build it first (call it on a batch of data, or `model.build`)."
         )
-    callback._kp_training_iterator = _latest_iterator[0]
+    callback._kp_training_iterator = None
+    _awaiting_iterator[0] = weakref.ref(callback)
     path = callback._training_metadata_path
     metadata = _read_metadata(path)
     if metadata is None:
@@ -254,10 +260,9 @@ def _restore(callback, metadata, executor):
     if ours:
         _set_random_state(model, executor, ours["random_state"])
         steps_done = ours.get("steps_done", 0)
-        reference = getattr(callback, "_kp_training_iterator", None)
-        iterator = reference and reference()
-        if steps_done and iterator is not None:
-            iterator._kp_steps_to_skip = steps_done
+        if steps_done:
+            # Passed over by the training iterator (`_resumed_enumerate`).
+            callback._kp_steps_to_skip = steps_done
             # Keras counts batches since its last save from here.
             callback._last_batch_seen = steps_done - 1
             callback._batches_seen_since_last_saving = 0

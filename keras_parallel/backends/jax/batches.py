@@ -13,12 +13,14 @@
 import jax
 import keras
 import numpy as np
+from jax.experimental.sparse import JAXSparse
 from keras.distribution import TensorLayout
 
 from keras_parallel.backends.jax import processes
 from keras_parallel.backends.jax.keras_compat import (
     distribution_lib as keras_jax_distribution_lib,
 )
+from keras_parallel.errors import ShardingError
 
 
 def laid_out_inputs(function):
@@ -64,6 +66,18 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous):
     """
     sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
     spec = getattr(sharding, "spec", ())
+    if spec and spec[0] is not None and isinstance(per_process_batch, JAXSparse):
+        raise ShardingError(
+            "A sparse batch cannot be split over the devices on JAX: a "
+            "sparse array has no rows to lay out on the data axis. Received: "
+            f"a {type(per_process_batch).__name__} batch of shape "
+            f"{tuple(per_process_batch.shape)} (sparse input: a SciPy sparse "
+            "matrix, a tf.SparseTensor, or keras.Input(sparse=True)); densify "
+            "it (x.toarray(), tf.sparse.to_dense) and build the model with "
+            "keras.Input(sparse=False), train it on one device, or use the "
+            "TensorFlow backend, which splits sparse batches. Nothing was "
+            "trained."
+        )
     if spec and spec[0] is not None and per_process_batch.ndim:
         names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
         ways = 1

@@ -19,6 +19,7 @@ global. So this executor
 
 import contextlib
 import functools
+import weakref
 
 import jax
 import keras
@@ -116,6 +117,7 @@ class JaxExecutor(Executor):
         super().__init__(distribution)
         self._planned = None
         self._undo_saving = None
+        self._model = None  # A weak reference to the planned model.
 
     @classmethod
     def list_devices(cls):
@@ -214,6 +216,7 @@ class JaxExecutor(Executor):
             variable._layout = layout
             variable._value = value
         self._planned = PlannedDistribution(self.distribution, plan)
+        self._model = weakref.ref(model)
         if processes.is_multi_process() and not self.is_chief:
             if self._undo_saving is None:
                 self._undo_saving = chief_only_saving(model, self.saving)
@@ -262,6 +265,9 @@ class JaxExecutor(Executor):
             function = batches.laid_out_inputs(function)
             if processes.is_multi_process():
                 function = _gathered_predictions(function)
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            function = _state_kept_on_failure(function, model, kind)
         if not self._on_cpu():
             return function
 
@@ -290,6 +296,7 @@ class JaxExecutor(Executor):
             variable._layout = None
             variable._value = jax.device_put(processes.fetch(variable.value), device)
         self._planned = None
+        self._model = None
 
     @property
     def num_processes(self):
@@ -322,6 +329,44 @@ def _laid_out_across_processes(value, sharding):
         and not value.is_fully_addressable
         and value.sharding.is_equivalent_to(sharding, value.ndim)
     )
+
+
+def _state_kept_on_failure(function, model, kind):
+    """Keras's step, the model's variables given back if it raises.
+
+    Keras's JAX trainer takes the variables' values out of the model (sets
+    them to None) before the first step and puts them back when the loop
+    ends: a step that raises (a batch refused before it is placed, a rank
+    that failed) would leave a model whose every variable is empty. The
+    values the step was handed are put back, unless the step consumed them
+    (donated to a computation that then failed).
+    """
+    owners = {
+        "train": ("trainable", "non_trainable", "optimizer", "metrics"),
+        "test": ("trainable", "non_trainable", "metrics"),
+        "predict": ("trainable", "non_trainable"),
+    }[kind]
+
+    def step(state, *args, **kwargs):
+        try:
+            return function(state, *args, **kwargs)
+        except BaseException:
+            for owner, values in zip(owners, state, strict=False):
+                for variable, value in zip(
+                    _variables_of(model, owner), values, strict=False
+                ):
+                    alive = not (isinstance(value, jax.Array) and value.is_deleted())
+                    if variable._value is None and alive:
+                        variable._value = value
+            raise
+
+    return step
+
+
+def _variables_of(model, owner):
+    if owner == "optimizer":
+        return model.optimizer.variables
+    return getattr(model, f"{owner}_variables")
 
 
 def _gathered_predictions(function):

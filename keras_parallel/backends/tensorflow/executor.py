@@ -222,6 +222,8 @@ class TensorFlowExecutor(Executor):
             if chief_only is not None:
                 chief_only.uninstall()
 
+    released_after_a_callback_run = True
+
     def release(self, model):
         if self._undo_saving is not None:
             self._undo_saving()

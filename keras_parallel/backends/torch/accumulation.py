@@ -27,9 +27,8 @@ sharded variable's gradient is only ever held as its shard.
 import contextlib
 
 import torch
-import torch.distributed as dist
 
-from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.flat_buffers import mean_flat
 from keras_parallel.replacements import Replacements
 
 
@@ -129,14 +128,5 @@ class AccumulatedGradients:
         ]
         if not accumulators or self.world_size == 1:
             return
-        flat = torch.cat([a.reshape(-1) for a in accumulators])
-        if torch_group.device_type() == "cuda":
-            flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        offset = 0
-        for accumulator in accumulators:
-            n = accumulator.numel()
-            accumulator.copy_(flat[offset : offset + n].view_as(accumulator))
-            offset += n
+        mean_flat(accumulators, self.world_size)
         self.reduced_updates += 1

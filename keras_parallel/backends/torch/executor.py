@@ -30,6 +30,7 @@ variable as it is made (`creation_scope`).
 """
 
 import contextlib
+import functools
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.creation import placed_creation
+from keras_parallel.backends.torch.flat_buffers import broadcast_flat
 from keras_parallel.backends.torch.model_parallel import MeshRunner, runs_on_mesh
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import DDPModule, RankSteps
@@ -189,19 +191,33 @@ class TorchExecutor(Executor):
             return
         self._fold_rank_into_seeds(model)
         self._ddp = None  # Drop the old wrapper before making the new.
-        self._ddp = self._make_ddp(model)
+        make_ddp = None
         _keras_ddp_off(model)
+        if getattr(self.distribution, "find_unused_parameters", False) and any(
+            p.requires_grad for p in DDPModule(model, model.call).parameters()
+        ):
+            self._ddp = self._make_ddp(model)
+        else:
+            # Every rank starts from rank 0's weights, as DDP's would; DDP
+            # comes after the first step, once every trainable variable had
+            # a gradient (`gradient_mean`).
+            broadcast_flat(DDPModule(model, model.call).parameters())
+            make_ddp = functools.partial(self._start_ddp, model)
         if self._steps is None:
             self._steps = RankSteps(
-                model, self._ddp, self.num_processes, self.process_index
+                model, self._ddp, self.num_processes, self.process_index, make_ddp
             )
         else:
             # Planned again (fit built the optimizer) while an entry point
             # runs: the installed steps stay, with the new wrapper.
-            self._steps.ddp = self._ddp
+            self._steps.use_ddp(self._ddp, make_ddp)
         if not self.is_chief and self._undo_saving is None:
             self._undo_saving = chief_only_saving(model)
         torch_group.on_teardown(self)
+
+    def _start_ddp(self, model):
+        self._ddp = self._make_ddp(model)
+        return self._ddp
 
     def _make_ddp(self, model):
         module = DDPModule(model, model.call)

@@ -73,6 +73,8 @@ class MeshSteps(RankSteps):
         rank: this process's rank.
     """
 
+    reduces_gradients = False
+
     def __init__(self, model, mesh, plan, rank):
         super().__init__(model, None, mesh.size(), rank)
         self.mesh = mesh

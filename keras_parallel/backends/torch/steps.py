@@ -47,6 +47,8 @@ import torch.distributed as dist
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.accumulation import AccumulatedGradients
 from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
+from keras_parallel.backends.torch.flat_buffers import broadcast_flat
+from keras_parallel.backends.torch.gradient_mean import GradientMean
 from keras_parallel.backends.torch.keras_compat import (
     TorchEpochIterator,
     keras_step,
@@ -101,9 +103,18 @@ class RankSteps:
         rank: this rank.
     """
 
-    def __init__(self, model, ddp, world_size, rank):
+    #: Whether the gradients are averaged here (DDP or `GradientMean`);
+    #: DTensor variables (`MeshSteps`) reduce their own.
+    reduces_gradients = True
+
+    def __init__(self, model, ddp, world_size, rank, make_ddp=None):
         self.model = model
         self.ddp = ddp
+        #: Makes the DDP wrapper once every trainable variable had a
+        #: gradient on every rank; until then (and with `ddp` None)
+        #: `GradientMean` averages them.
+        self.make_ddp = make_ddp
+        self.gradient_mean = GradientMean(model, world_size)
         self.world_size = world_size
         self.rank = rank
         self._installed = False
@@ -151,8 +162,7 @@ class RankSteps:
             "__iter__",
             self._same_data.epoch_begins(TorchEpochIterator),
         )
-        if self.ddp is not None:
-            self.accumulation.install()
+        self._install_gradient_reduction()
         self._step = 0
         # Until a run's callbacks say otherwise (train_on_batch has none,
         # and returns its logs to the user): global logs at every step.
@@ -163,9 +173,42 @@ class RankSteps:
         if not self._installed:
             return
         self._call_route.restore()
-        self.accumulation.uninstall()
+        self._uninstall_gradient_reduction()
         self._replacements.restore()
         self._installed = False
+
+    def use_ddp(self, ddp, make_ddp=None):
+        """Reduces gradients with `ddp` from now on (None: `GradientMean`).
+
+        Args:
+            ddp: a new `DistributedDataParallel` wrapper, or None.
+            make_ddp: see the constructor.
+        """
+        if self._installed:
+            self._uninstall_gradient_reduction()
+        self.ddp, self.make_ddp = ddp, make_ddp
+        if self._installed:
+            self._install_gradient_reduction()
+
+    def _install_gradient_reduction(self):
+        if self.ddp is not None:
+            self.accumulation.install()
+        elif self.reduces_gradients:
+            self.gradient_mean.install()
+
+    def _uninstall_gradient_reduction(self):
+        self.accumulation.uninstall()
+        self.gradient_mean.uninstall()
+
+    def _ddp_once_every_variable_is_used(self):
+        # Decided on the first step that had gradients, alike on every rank
+        # (from the one all-reduce of their counts).
+        if self.make_ddp is None or self.ddp is not None:
+            return
+        if self.gradient_mean.all_used:
+            self.use_ddp(self.make_ddp())
+        elif self.gradient_mean.all_used is False:
+            self.make_ddp = None  # Unused variables: GradientMean stays.
 
     def set_global_step_logs(self, on):
         """Whether each step's logs are made global (see `torch_step_logs`)."""
@@ -235,6 +278,8 @@ class RankSteps:
                 self._route_call(False)
         finally:
             self._in_step = False
+        if kind == "train":
+            self._ddp_once_every_variable_is_used()
         returned = None
         if isinstance(logs, dict) and not self._keras_steps.get(kind, False):
             # Read before this rank's metric state is put back (a rank that
@@ -429,11 +474,4 @@ class RankSteps:
         ]
         if not variables:
             return
-        flat = torch.cat([v.value.detach().reshape(-1) for v in variables])
-        dist.broadcast(flat, src=0)
-        offset = 0
-        with torch.no_grad():
-            for v in variables:
-                n = v.value.numel()
-                v.value.copy_(flat[offset : offset + n].reshape(v.value.shape))
-                offset += n
+        broadcast_flat([v.value for v in variables])
