@@ -24,7 +24,9 @@ if torch_trainer_with_ddp is not None:
 #: `__iter__` (where an epoch starts) is replaced in scope so that the ranks
 #: compare the size of the data they are about to iterate (`same_data`).
 TorchEpochIterator = internal(
-    "keras.src.backend.torch.trainer", "TorchEpochIterator.__iter__"
+    "keras.src.backend.torch.trainer",
+    "TorchEpochIterator.__iter__",
+    "TorchEpochIterator._get_iterator",
 ).TorchEpochIterator
 #: Data given as arrays (NumPy, torch, ...): the only adapter whose row count
 #: its public sizes tell exactly (a `DataLoader` may drop its last batch).
@@ -158,9 +160,10 @@ REPLACED = (
     ),
     Target(
         "keras.src.backend.torch.trainer.TorchEpochIterator",
-        "__iter__",
+        ("__iter__", "_get_iterator"),
         "every rank compares the size of its data with the others' before an "
-        "epoch's first collective (`same_data.py`)",
+        "epoch's first collective (`same_data.py`); each rank loads only its "
+        "rows of a map-style loader's global batches (`divided_input.py`)",
     ),
     Target(
         "keras.src.models.model.Model",

@@ -74,6 +74,7 @@ class MeshSteps(RankSteps):
     """
 
     reduces_gradients = False
+    divides_input = False
 
     def __init__(self, model, mesh, plan, rank):
         super().__init__(model, None, mesh.size(), rank)

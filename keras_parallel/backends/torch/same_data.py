@@ -58,6 +58,9 @@ class SameDataCheck:
             # `predict`, `_symbolic_build`).
             if sys._getframe(1).f_locals.get("self") is self.model:
                 self.check(iterator)
+                # Its batches may be divided between the ranks
+                # (`divided_input`); another model's are left alone.
+                iterator._kp_model_run = self.model
             return keras_iter(iterator)
 
         return begin_epoch

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.accumulation import AccumulatedGradients
 from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
+from keras_parallel.backends.torch.divided_input import DividedInput
 from keras_parallel.backends.torch.flat_buffers import broadcast_flat
 from keras_parallel.backends.torch.gradient_mean import GradientMean
 from keras_parallel.backends.torch.keras_compat import (
@@ -61,6 +62,16 @@ from keras_parallel.backends.torch.same_data import SameDataCheck
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
+
+#: The input's kind, by Keras's data adapter, for the plan's input line.
+_INPUT_KINDS = {
+    "ArrayDataAdapter": "arrays",
+    "TorchDataLoaderAdapter": "DataLoader",
+    "GeneratorDataAdapter": "generator",
+    "PyDatasetAdapter": "PyDataset",
+    "TFDatasetAdapter": "tf.data",
+    "GrainDatasetAdapter": "Grain",
+}
 
 
 class DDPModule(torch.nn.Module):
@@ -103,6 +114,10 @@ class RankSteps:
         rank: this rank.
     """
 
+    #: Whether each rank loads only its rows of a batch (`divided_input`);
+    #: a data group's rows (`MeshSteps`) are cut from the whole batch.
+    divides_input = True
+
     #: Whether the gradients are averaged here (DDP or `GradientMean`);
     #: DTensor variables (`MeshSteps`) reduce their own.
     reduces_gradients = True
@@ -124,6 +139,7 @@ class RankSteps:
         self._grad_scale = 1.0
         self._metric_states = MetricStates(model, rank)
         self._same_data = SameDataCheck(model, world_size, rank)
+        self.divided_input = DividedInput(world_size, rank)
         self._global_step_logs = True
         self._in_step = False
         self._whole = False
@@ -162,6 +178,12 @@ class RankSteps:
             "__iter__",
             self._same_data.epoch_begins(TorchEpochIterator),
         )
+        if self.divides_input:
+            self._replacements.replace(
+                TorchEpochIterator,
+                "_get_iterator",
+                self._divided_batches(TorchEpochIterator._get_iterator),
+            )
         self._install_gradient_reduction()
         self._step = 0
         # Until a run's callbacks say otherwise (train_on_batch has none,
@@ -237,8 +259,21 @@ class RankSteps:
         rank_step.__name__ = f"keras_parallel_{kind}_step"
         return rank_step
 
+    def _divided_batches(self, keras_get_iterator):
+        divided = self.divided_input
+
+        def get_iterator(iterator):
+            loader = keras_get_iterator(iterator)
+            if getattr(iterator, "_kp_model_run", None) is not self.model:
+                return loader
+            kind = type(getattr(iterator, "data_adapter", None)).__name__
+            return divided.batches(loader, _INPUT_KINDS.get(kind, kind))
+
+        return get_iterator
+
     def _run(self, step, kind, data):
-        rows = batch_rows(data)
+        global_rows = self.divided_input.global_rows(data)
+        rows = batch_rows(data) if global_rows is None else global_rows
         if rows is None:
             return step(data)
         if kind == "train" and self._step == 0:
@@ -246,7 +281,10 @@ class RankSteps:
         if kind != "train" and self.dirty:
             self.sync_non_trainable()
         start, stop, whole = self._rows(rows)
-        local = data if whole else slice_rows(data, rows, start, stop)
+        if global_rows is not None:
+            local = data  # This rank's rows only, loaded as such.
+        else:
+            local = data if whole else slice_rows(data, rows, start, stop)
         self._whole = whole
         routed = self._routes(kind)
         if kind == "predict":
@@ -261,7 +299,9 @@ class RankSteps:
         # data group's rows); one rank alone may count them.
         lazy_skip = not self._counts(whole) and not self._global_step_logs
         before_step = self._metric_states.snapshot() if lazy_skip else None
-        self._metric_states.saw(rows, data)
+        # Batches divided between the ranks differ by design: their sizes
+        # are compared, not their contents.
+        self._metric_states.saw(rows, data if global_rows is None else None)
         self._in_step = True
         try:
             if kind == "train":

@@ -1,0 +1,160 @@
+"""Each rank loads only its rows of every global batch.
+
+Keras's torch trainer reads a batch from a `torch.utils.data.DataLoader`
+(`TorchEpochIterator._get_iterator`): its own, over arrays, or the user's.
+A map-style loader draws each global batch as a list of indices from its
+batch sampler, then loads and collates those rows. `DividedInput` makes a
+loader over the same dataset, collate function and workers whose batch
+sampler hands this rank only its share of each global batch's indices
+(`batches.split_rows`: 43 rows over 2 ranks, 22 and 21), drawn from the
+same global order on every rank (one shuffle: the ranks share rank 0's
+random state). Each rank so converts, loads or decodes `1 / W` of the rows,
+and the global batches, their order and the training stay one device's.
+
+The step still needs the global batch's size (the gradient's scale, the
+gathered predictions): each batch this loader yields is remembered with it
+(`global_rows`), looked up by the object the step receives, which Keras
+passes from the loader to the step untouched.
+
+Inputs a rank cannot load a share of (an `IterableDataset`, a loader
+without a batch sampler, a generator, a `PyDataset`, a `tf.data.Dataset`)
+are iterated whole on every rank, each rank keeping its rows, as before.
+"""
+
+import collections
+import weakref
+
+import torch
+
+from keras_parallel.backends.torch.batches import split_rows
+
+
+class DividedInput:
+    """Divides the map-style loaders of one model's runs between the ranks.
+
+    Args:
+        world_size: the number of ranks.
+        rank: this rank.
+    """
+
+    def __init__(self, world_size, rank):
+        self.world_size = world_size
+        self.rank = rank
+        self._global_rows = {}  # id(batch) -> (batch, global rows)
+        self._loaders = weakref.WeakKeyDictionary()
+        #: The kinds of input seen: `{"DataLoader": True, "generator": False}`
+        #: (whether each was divided).
+        self.kinds = {}
+
+    def batches(self, loader, kind):
+        """This rank's batches of `loader`, or `loader` itself if it cannot
+        be divided.
+
+        Args:
+            loader: what Keras's epoch iterator would iterate.
+            kind: the input's kind, for `kinds` (`"arrays"`, ...).
+
+        Returns:
+            An iterable.
+        """
+        rank_loader = self._rank_loader(loader)
+        self.kinds[kind] = rank_loader is not None
+        if rank_loader is None:
+            return loader
+        return self._remembered(rank_loader)
+
+    def global_rows(self, batch):
+        """The global batch size of a batch this rank's loader yielded.
+
+        Args:
+            batch: what the step received.
+
+        Returns:
+            The rows of the global batch `batch` is this rank's share of,
+            or `None` for a batch that is not (a whole global batch).
+        """
+        entry = self._global_rows.pop(id(batch), None)
+        if entry is None or entry[0] is not batch:
+            return None
+        return entry[1]
+
+    def _rank_loader(self, loader):
+        if not _divisible(loader):
+            return None
+        rank_loader = self._loaders.get(loader)
+        if rank_loader is None:
+            sampler = _RankBatchSampler(
+                loader.batch_sampler, self.world_size, self.rank
+            )
+            rank_loader = _like(loader, sampler)
+            self._loaders[loader] = rank_loader
+        return rank_loader
+
+    def _remembered(self, rank_loader):
+        iterator = iter(rank_loader)
+        sizes = rank_loader.batch_sampler.sizes  # This iteration's.
+        kept = []
+        try:
+            for batch in iterator:
+                self._global_rows[id(batch)] = (batch, sizes.popleft())
+                kept.append(id(batch))
+                if len(kept) > 64:
+                    kept = [key for key in kept if key in self._global_rows]
+                yield batch
+        finally:
+            # A batch drawn but never stepped (Keras's symbolic build).
+            for key in kept:
+                self._global_rows.pop(key, None)
+
+
+def _divisible(loader):
+    return (
+        isinstance(loader, torch.utils.data.DataLoader)
+        and loader.batch_sampler is not None
+        and not isinstance(loader.dataset, torch.utils.data.IterableDataset)
+    )
+
+
+class _RankBatchSampler(torch.utils.data.Sampler):
+    """This rank's indices of each global batch of a batch sampler."""
+
+    def __init__(self, batch_sampler, world_size, rank):
+        self.batch_sampler = batch_sampler
+        self.world_size = world_size
+        self.rank = rank
+        #: The global batch sizes drawn and not yet loaded, this iteration.
+        self.sizes = collections.deque()
+
+    def __iter__(self):
+        # A new count for each iteration, made when the loader starts it.
+        self.sizes = collections.deque()
+        return self._indices(self.sizes)
+
+    def _indices(self, sizes):
+        for indices in self.batch_sampler:
+            indices = list(indices)
+            start, stop, _ = split_rows(len(indices), self.world_size, self.rank)
+            sizes.append(len(indices))
+            yield indices[start:stop]
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+
+def _like(loader, batch_sampler):
+    """A loader like `loader` (dataset, collate, workers) over `batch_sampler`."""
+    options = dict(
+        batch_sampler=batch_sampler,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
+    if loader.num_workers:
+        options["prefetch_factor"] = loader.prefetch_factor
+    return torch.utils.data.DataLoader(loader.dataset, **options)

@@ -1,0 +1,108 @@
+"""What the divided-input tests run in every process: counted pipelines.
+
+Each input kind is a pipeline that counts the rows this process prepared
+(a map-style `Dataset` counts its `__getitem__` calls; arrays count none,
+Keras slices them), fits, validates, evaluates and predicts a small model
+through it, and returns the count with what a test compares with one
+device.
+"""
+
+import os
+
+import numpy as np
+import split_probe
+import torch_workers
+
+EPOCHS = 2
+ROWS = 1003  # 16 batches of 64, the last of 43: an uneven last batch.
+BATCH = 64
+
+
+class Counted:
+    """A map-style dataset over arrays, counting the rows it loads.
+
+    Any object with `__getitem__` and `__len__` is a map-style dataset to
+    a torch `DataLoader`; defined here so that worker processes can import
+    it (and without importing torch, which the other envs lack).
+    """
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+        self.loaded = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        import torch
+
+        self.loaded += 1
+        return torch.as_tensor(self.x[i]), torch.as_tensor(self.y[i])
+
+
+def run(kind, distributed=True, num_workers=0):
+    """Fits, evaluates and predicts through one kind of input.
+
+    Args:
+        kind: `"arrays"` or `"dataloader"` (shuffled, over a counted
+            map-style dataset; validation through another).
+        distributed: False for the one-device reference.
+        num_workers: the loader's worker processes.
+
+    Returns:
+        A dict: `loaded` (rows this process's pipeline prepared), weights,
+        history, evaluation, predictions, the probe's records and the
+        input kinds the steps divided.
+    """
+    import keras
+    import torch
+
+    import keras_parallel
+
+    x, y = torch_workers.make_data(ROWS)
+    model = torch_workers.make_model(distributed=False)
+    torch_workers._compile(model)
+    callbacks = []
+    if distributed:
+        callbacks.append(keras_parallel.ShardingCallback(keras_parallel.DataParallel()))
+    torch.manual_seed(0)  # The loader's shuffle (rank 0's on every rank).
+    train = validation = None
+    if kind == "dataloader":
+        train = Counted(x, y)
+        validation = Counted(x[:301], y[:301])
+        loader = torch.utils.data.DataLoader(
+            train, batch_size=BATCH, shuffle=True, num_workers=num_workers
+        )
+        inputs = {"x": loader}
+        inputs["validation_data"] = torch.utils.data.DataLoader(
+            validation, batch_size=BATCH, num_workers=num_workers
+        )
+    else:
+        inputs = {"x": x, "y": y, "batch_size": BATCH, "shuffle": os.environ.get("DBG_SHUFFLE", "1") == "1"}
+        inputs["validation_data"] = (x[:301], y[:301])
+    split_probe.clear()
+    history = model.fit(**inputs, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    split = split_probe.records()
+    evaluation = model.evaluate(
+        x, y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=callbacks[:1]
+    )
+    predictions = model.predict(
+        x[:203], batch_size=BATCH, verbose=0, callbacks=callbacks[:1]
+    )
+    steps = getattr(model, "_kp_callback_binding", None)
+    steps = steps and getattr(steps.executor._steps, "divided_input", None) and steps.executor._steps
+    return {
+        "rank": int(os.environ.get("RANK", "0")),
+        "loaded": (train.loaded + validation.loaded) if train else None,
+        "weights": [np.asarray(w) for w in model.get_weights()],
+        "history": {k: list(map(float, v)) for k, v in history.history.items()},
+        "evaluation": {k: float(v) for k, v in evaluation.items()},
+        "predictions": np.asarray(predictions),
+        "split": split,
+        "divided": dict(steps.divided_input.kinds) if steps is not None else {},
+        "keras": keras.version(),
+    }
+
+
+def run_all(cases):
+    return [run(**case) for case in cases]
