@@ -61,7 +61,7 @@ class DividedInput:
         self.kinds[kind] = rank_loader is not None
         if rank_loader is None:
             return loader
-        return self._remembered(rank_loader)
+        return _Remembered(self, rank_loader)
 
     def global_rows(self, batch):
         """The global batch size of a batch this rank's loader yielded.
@@ -90,9 +90,13 @@ class DividedInput:
             self._loaders[loader] = rank_loader
         return rank_loader
 
-    def _remembered(self, rank_loader):
-        iterator = iter(rank_loader)
-        sizes = rank_loader.batch_sampler.sizes  # This iteration's.
+    def remembered(self, iterator, sizes):
+        """Yields `iterator`'s batches, each remembered with its global size.
+
+        Args:
+            iterator: an iterator of the rank loader.
+            sizes: the global batch sizes its sampler drew (a deque).
+        """
         kept = []
         try:
             for batch in iterator:
@@ -105,6 +109,27 @@ class DividedInput:
             # A batch drawn but never stepped (Keras's symbolic build).
             for key in kept:
                 self._global_rows.pop(key, None)
+
+
+class _Remembered:
+    """The rank loader as Keras's epoch iterator iterates it.
+
+    Its iterator is made when Keras asks for one, as Keras's own loader's
+    is (a loader's iterator draws a seed from torch's random state when it
+    is made): the shuffles of later epochs stay one device's.
+    """
+
+    def __init__(self, divided, rank_loader):
+        self.divided = divided
+        self.rank_loader = rank_loader
+
+    def __iter__(self):
+        iterator = iter(self.rank_loader)
+        sizes = self.rank_loader.batch_sampler.sizes  # This iteration's.
+        return self.divided.remembered(iterator, sizes)
+
+    def __len__(self):
+        return len(self.rank_loader)
 
 
 def _divisible(loader):
