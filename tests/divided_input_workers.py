@@ -40,14 +40,55 @@ class Counted:
         return torch.as_tensor(self.x[i]), torch.as_tensor(self.y[i])
 
 
-def run(kind, distributed=True, num_workers=0):
+class CountedBatches:
+    """A `keras.utils.PyDataset` over arrays, counting the rows it makes
+    (made lazily: Keras is imported in the process that runs it)."""
+
+    def __new__(cls, x, y, workers=1):
+        import keras
+
+        class Batches(keras.utils.PyDataset):
+            made = 0
+
+            def __init__(self):
+                super().__init__(workers=workers)
+
+            def __len__(self):
+                return -(-len(x) // BATCH)
+
+            def __getitem__(self, i):
+                s = slice(i * BATCH, (i + 1) * BATCH)
+                Batches.made += len(x[s])
+                return x[s], y[s]
+
+        return Batches()
+
+
+class CountedGenerator:
+    """An endless generator of batches over arrays, counting the rows drawn."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+        self.drawn = 0
+
+    def __iter__(self):
+        while True:
+            for start in range(0, len(self.x), BATCH):
+                rows = slice(start, start + BATCH)
+                self.drawn += len(self.x[rows])
+                yield self.x[rows], self.y[rows]
+
+
+def run(kind, distributed=True, num_workers=0, shuffle=True):
     """Fits, evaluates and predicts through one kind of input.
 
     Args:
         kind: `"arrays"` or `"dataloader"` (shuffled, over a counted
             map-style dataset; validation through another).
         distributed: False for the one-device reference.
-        num_workers: the loader's worker processes.
+        num_workers: the loader's worker processes (the PyDataset's
+            worker threads).
+        shuffle: `fit`'s shuffle of arrays and of a PyDataset.
 
     Returns:
         A dict: `loaded` (rows this process's pipeline prepared), weights,
@@ -77,6 +118,13 @@ def run(kind, distributed=True, num_workers=0):
         inputs["validation_data"] = torch.utils.data.DataLoader(
             validation, batch_size=BATCH, num_workers=num_workers
         )
+    elif kind == "pydataset":
+        train = CountedBatches(x, y, workers=max(1, num_workers))
+        inputs = {"x": train, "shuffle": shuffle, "validation_data": (x[:301], y[:301])}
+    elif kind == "generator":
+        train = CountedGenerator(x, y)
+        inputs = {"x": iter(train), "steps_per_epoch": 16}
+        inputs["validation_data"] = (x[:301], y[:301])
     else:
         inputs = {"x": x, "y": y, "batch_size": BATCH, "shuffle": True}
         inputs["validation_data"] = (x[:301], y[:301])
@@ -93,7 +141,7 @@ def run(kind, distributed=True, num_workers=0):
     steps = steps and steps.executor._steps
     return {
         "rank": int(os.environ.get("RANK", "0")),
-        "loaded": (train.loaded + validation.loaded) if train else None,
+        "loaded": _loaded(kind, train, validation),
         "weights": [np.asarray(w) for w in model.get_weights()],
         "history": {k: list(map(float, v)) for k, v in history.history.items()},
         "evaluation": {k: float(v) for k, v in evaluation.items()},
@@ -106,3 +154,13 @@ def run(kind, distributed=True, num_workers=0):
 
 def run_all(cases):
     return [run(**case) for case in cases]
+
+
+def _loaded(kind, train, validation):
+    if kind == "dataloader":
+        return train.loaded + validation.loaded
+    if kind == "pydataset":
+        return type(train).made
+    if kind == "generator":
+        return train.drawn
+    return None

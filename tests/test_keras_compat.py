@@ -30,7 +30,19 @@ def _owners():
     model_parallel = keras.distribution.ModelParallel(
         layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="model"
     )
+    from keras.src.trainers.data_adapters.py_dataset_adapter import (
+        PyDatasetAdapter,
+    )
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            return np.zeros((2, 4)), np.zeros((2, 2))
+
     return {
+        "PyDatasetAdapter": PyDatasetAdapter(Batches(), shuffle=False),
         "keras.distribution.ModelParallel": model_parallel,
         "keras.Model": model,
         "keras.Model (after fit)": model,

@@ -20,6 +20,10 @@ CASES = {
     "arrays": dict(kind="arrays"),
     "dataloader": dict(kind="dataloader"),
     "dataloader_workers": dict(kind="dataloader", num_workers=2),
+    "pydataset": dict(kind="pydataset"),
+    # Several workers: Keras's own enqueuer, read whole by every rank.
+    "pydataset_workers": dict(kind="pydataset", num_workers=2, shuffle=False),
+    "generator": dict(kind="generator"),
 }
 
 
@@ -60,19 +64,26 @@ def test_two_ranks_train_as_one_process(two_ranks, one_process, name):
             result["predictions"], reference["predictions"], rtol=1e-5, atol=1e-6
         )
         # The split: each step of this rank computed its half (32 of 64;
-        # 22 or 21 of the last 43; 23 or 22 of validation's last 45).
+        # 22 or 21 of the last 43; validation's batches of 64, or of 32
+        # where fit has no batch_size: 23 or 22 of 45, 16, 7 or 6 of 13).
         rows = {r for _, r in result["split"]}
-        assert rows <= {32, 23, 22, 21} and 32 in rows, result["split"]
+        assert rows <= {32, 23, 22, 21, 16, 7, 6} and 32 in rows, result["split"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_rank_divides_its_input(two_ranks, name):
     kind = CASES[name]["kind"]
-    kinds = {"arrays": "arrays", "dataloader": "DataLoader"}
+    kinds = {
+        "arrays": "arrays",
+        "dataloader": "DataLoader",
+        "pydataset": "PyDataset",
+        "generator": "generator",
+    }
+    divided = name != "pydataset_workers"
     for result in two_ranks[name]:
         # Evaluate and predict read arrays after a DataLoader's fit.
-        assert result["divided"][kinds[kind]] is True, result["divided"]
-        assert all(result["divided"].values()), result["divided"]
+        assert result["divided"][kinds[kind]] is divided, result["divided"]
+        assert result["divided"]["arrays"] is True, result["divided"]
 
 
 def test_each_rank_loads_about_half_the_rows(two_ranks, one_process):
@@ -91,3 +102,34 @@ def test_each_rank_loads_about_half_the_rows(two_ranks, one_process):
         )
         assert result["loaded"] == 2 * share + 64
         assert result["loaded"] <= alone / 2 + 64
+
+
+def test_the_first_fit_says_how_its_input_is_divided():
+    from keras_parallel.backends.torch.divided_input import input_line
+
+    assert input_line("DataLoader", True, 2) == (
+        "Input: DataLoader, each of 2 processes loads its rows of every global batch"
+    )
+    assert "read whole by each of 2 processes" in input_line("generator", False, 2)
+
+
+def test_each_rank_makes_half_a_pydatasets_batches(two_ranks, one_process):
+    alone = one_process["pydataset"]["loaded"]
+    # Keras makes the first batch to build the loss and metrics, then 2
+    # epochs of 16 batches (1003 rows) in a shuffled order.
+    assert alone == 64 + 2 * 1003
+    made = [r["loaded"] for r in two_ranks["pydataset"]]
+    for rank_made in made:
+        # Every other batch of each epoch, and that first batch: at most
+        # half the epochs and one batch.
+        assert rank_made <= 64 + 1003 + 64, made
+    assert sum(made) == 2 * 64 + 2 * 1003  # Each batch made once.
+
+
+def test_one_rank_draws_the_generator(two_ranks, one_process):
+    alone = one_process["generator"]["loaded"]
+    assert alone == 2 * 1003  # 2 epochs of 16 steps: 15 batches of 64, 43.
+    drawn = [r["loaded"] for r in two_ranks["generator"]]
+    # Rank 0 draws what one process draws; rank 1 only the 2 batches Keras
+    # peeks when fit starts (for the data's shapes), never trained on.
+    assert drawn == [alone, 2 * 64], drawn

@@ -16,9 +16,11 @@ gathered predictions): each batch this loader yields is remembered with it
 (`global_rows`), looked up by the object the step receives, which Keras
 passes from the loader to the step untouched.
 
-Inputs a rank cannot load a share of (an `IterableDataset`, a loader
-without a batch sampler, a generator, a `PyDataset`, a `tf.data.Dataset`)
-are iterated whole on every rank, each rank keeping its rows, as before.
+A `PyDataset` and a generator, which make whole global batches, are made
+by one rank each and shared (`shared_batches`). Inputs a rank cannot load a
+share of (an `IterableDataset`, a loader without a batch sampler, an
+infinite `PyDataset`, a `tf.data.Dataset`) are iterated whole on every
+rank, each rank keeping its rows, as before.
 """
 
 import collections
@@ -26,7 +28,9 @@ import weakref
 
 import torch
 
+from keras_parallel.backends.torch import shared_batches
 from keras_parallel.backends.torch.batches import split_rows
+from keras_parallel.keras_compat import print_msg
 
 
 class DividedInput:
@@ -46,22 +50,50 @@ class DividedInput:
         #: (whether each was divided).
         self.kinds = {}
 
-    def batches(self, loader, kind):
+    def batches(self, loader, kind, adapter=None):
         """This rank's batches of `loader`, or `loader` itself if it cannot
         be divided.
 
         Args:
             loader: what Keras's epoch iterator would iterate.
             kind: the input's kind, for `kinds` (`"arrays"`, ...).
+            adapter: Keras's data adapter of the input.
 
         Returns:
             An iterable.
         """
-        rank_loader = self._rank_loader(loader)
-        self.kinds[kind] = rank_loader is not None
+        shared = self._shared(loader, kind, adapter)
+        rank_loader = None if shared is not None else self._rank_loader(loader)
+        divided = shared is not None or rank_loader is not None
+        if kind not in self.kinds and self.rank == 0:
+            print_msg(input_line(kind, divided, self.world_size))
+        self.kinds[kind] = divided
+        if shared is not None:
+            return shared
         if rank_loader is None:
             return loader
         return _Remembered(self, rank_loader)
+
+    def _shared(self, loader, kind, adapter):
+        """A `PyDataset`'s or a generator's batches, shared between the
+        ranks (`shared_batches`), or None for another input."""
+        world_size, rank = self.world_size, self.rank
+        if kind == "PyDataset" and _made_in_order(adapter.py_dataset):
+
+            def batches():
+                return shared_batches.pydataset_batches(adapter, world_size, rank)
+
+        elif kind == "generator":
+
+            def batches():
+                numpy_batches = (
+                    iter(adapter.get_numpy_iterator()) if rank == 0 else None
+                )
+                return shared_batches.generator_batches(numpy_batches, world_size, rank)
+
+        else:
+            return None
+        return _Shared(self, loader, batches)
 
     def global_rows(self, batch):
         """The global batch size of a batch this rank's loader yielded.
@@ -90,6 +122,21 @@ class DividedInput:
             self._loaders[loader] = rank_loader
         return rank_loader
 
+    def remembered_pairs(self, pairs):
+        """Yields the batches of `(global rows, batch)` pairs, remembered."""
+        kept = []
+        try:
+            for rows, batch in pairs:
+                self._global_rows[id(batch)] = (batch, rows)
+                kept.append(id(batch))
+                if len(kept) > 64:
+                    kept = [key for key in kept if key in self._global_rows]
+                yield batch
+        finally:
+            for key in kept:
+                self._global_rows.pop(key, None)
+            pairs.close()
+
     def remembered(self, iterator, sizes):
         """Yields `iterator`'s batches, each remembered with its global size.
 
@@ -111,6 +158,48 @@ class DividedInput:
                 self._global_rows.pop(key, None)
 
 
+def input_line(kind, divided, processes):
+    """How an input is divided, as the line the chief prints when it first
+    reads one (`"Input: arrays, each of 2 processes loads its rows of
+    every global batch"`)."""
+    if divided and kind == "PyDataset":
+        return (
+            f"Input: PyDataset, batches made round-robin by {processes} "
+            f"processes, {shared_batches.AHEAD} ahead, each process receiving "
+            "its rows"
+        )
+    if divided and kind == "generator":
+        return (
+            f"Input: generator, drawn by process 0 alone, each of {processes} "
+            "processes receiving its rows"
+        )
+    if divided:
+        return (
+            f"Input: {kind}, each of {processes} processes loads its rows of "
+            "every global batch"
+        )
+    return (
+        f"Input: {kind}, read whole by each of {processes} processes, each "
+        "keeping its rows (arrays, a map-style DataLoader, a PyDataset and a "
+        "generator divide the work; see docs/multihost.md)"
+    )
+
+
+class _Shared:
+    """Batches shared between the ranks, as Keras's epoch iterator iterates
+    them; Keras's own loader's iterator is made (and not read) so that
+    torch's random state moves as one device's does."""
+
+    def __init__(self, divided, loader, batches):
+        self.divided = divided
+        self.loader = loader
+        self.make_batches = batches
+
+    def __iter__(self):
+        iter(self.loader)
+        return self.divided.remembered_pairs(self.make_batches())
+
+
 class _Remembered:
     """The rank loader as Keras's epoch iterator iterates it.
 
@@ -130,6 +219,21 @@ class _Remembered:
 
     def __len__(self):
         return len(self.rank_loader)
+
+
+def _made_in_order(dataset):
+    """Whether Keras makes a `PyDataset`'s batches one by one, in its order.
+
+    With several workers (or processes) Keras's enqueuer makes them: it
+    shuffles on a thread of its own and goes on from where an earlier
+    iteration stopped, an order no rank could reproduce. Such a dataset is
+    read whole by every rank, as one device reads it.
+    """
+    return (
+        dataset.num_batches is not None
+        and int(dataset.workers or 0) <= 1
+        and not dataset.use_multiprocessing
+    )
 
 
 def _divisible(loader):

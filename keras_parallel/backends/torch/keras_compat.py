@@ -33,6 +33,18 @@ TorchEpochIterator = internal(
 ArrayDataAdapter = internal(
     "keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter"
 ).ArrayDataAdapter
+#: The data adapters whose batches the ranks share (`shared_batches`): a
+#: `PyDataset`'s batches are made by their owner as Keras's adapter makes
+#: them (`_standardize_batch`), a generator's drawn on rank 0 through
+#: Keras's NumPy iterator.
+internal(
+    "keras.src.trainers.data_adapters.py_dataset_adapter",
+    "PyDatasetAdapter._standardize_batch",
+)
+internal(
+    "keras.src.trainers.data_adapters.generator_data_adapter",
+    "GeneratorDataAdapter.get_numpy_iterator",
+)
 #: Keras's nested-structure utilities (flatten / map_structure).
 tree = internal("keras.src.tree", "flatten", "map_structure")
 #: `CallbackList.on_train_begin` / `on_test_begin` are replaced in scope to
@@ -135,6 +147,9 @@ OBJECT_ATTRIBUTES = {
     # when `gradient_accumulation_steps` is set) are all-reduced once per
     # update.
     "keras.optimizers.Optimizer": ("_iterations", "gradient_accumulation_steps"),
+    # A PyDataset's adapter (`shared_batches`): the dataset and whether the
+    # epoch's order is shuffled.
+    "PyDatasetAdapter": ("py_dataset", "shuffle"),
 }
 
 #: What the torch backend replaces while an entry point runs, through
@@ -207,7 +222,8 @@ REPLACED = (
         "apply",
         "gradients redistributed to their variables' placements (`mesh_steps.py`); "
         "with gradient accumulation under DDP, the accumulators all-reduced "
-        "once before an update (`accumulation.py`)",
+        "once before an update (`accumulation.py`); the mean gradient over "
+        "the ranks where DDP cannot make it (`gradient_mean.py`)",
         on_instances=True,
     ),
     Target(

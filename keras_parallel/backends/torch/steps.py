@@ -266,8 +266,9 @@ class RankSteps:
             loader = keras_get_iterator(iterator)
             if getattr(iterator, "_kp_model_run", None) is not self.model:
                 return loader
-            kind = type(getattr(iterator, "data_adapter", None)).__name__
-            return divided.batches(loader, _INPUT_KINDS.get(kind, kind))
+            adapter = getattr(iterator, "data_adapter", None)
+            kind = type(adapter).__name__
+            return divided.batches(loader, _INPUT_KINDS.get(kind, kind), adapter)
 
         return get_iterator
 

@@ -1,0 +1,140 @@
+"""An input-bound `fit` on 2 processes against 1: is the input divided?
+
+Each input kind does real per-row CPU work, as decoding or augmentation
+does (a busy loop of `--row-ms` ms per row), over 16 batches of 64 rows
+and a small model; a fit of 3 epochs times its last 2 (the first compiles
+and warms up). One process (plain Keras) and two (`keras_parallel.launch`,
+torch ranks, `ShardingCallback(DataParallel())`) run interleaved,
+`--rounds` times; the median epoch seconds and their ratio (2 processes /
+1) are printed, with the rows each process prepared in an epoch. On this
+2-core machine the ideal ratio is about 0.5: the target for an input the
+processes divide is at most 0.6 (docs/benchmarks.md). A compute-bound
+model (no per-row work, a wider model) shows what division costs where
+the input is cheap.
+
+Usage:
+
+    KERAS_BACKEND=torch python benchmarks/bench_input_processes.py [--rounds 3]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+ROWS, BATCH, FEATURES = 1024, 64, 32
+
+
+def _busy(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class RowWork:
+    """A map-style dataset doing `row_ms` of CPU work per row it loads."""
+
+    def __init__(self, x, y, row_ms):
+        self.x, self.y, self.row_ms = x, y, row_ms
+        self.loaded = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        import torch
+
+        _busy(self.row_ms / 1000)
+        self.loaded += 1
+        return torch.as_tensor(self.x[i]), torch.as_tensor(self.y[i])
+
+
+def _inputs(kind, row_ms, counter):
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
+    y = rng.normal(size=(ROWS, 1)).astype("float32")
+    if kind == "DataLoader":
+        dataset = RowWork(x, y, row_ms)
+        counter.append(dataset)
+        return {"x": torch.utils.data.DataLoader(dataset, batch_size=BATCH)}
+    if kind == "arrays":
+        return {"x": x, "y": y, "batch_size": BATCH}
+    raise ValueError(kind)
+
+
+def epoch_seconds(kind, row_ms, width):
+    """Runs in every process: the median epoch time of a 3-epoch fit."""
+    import keras
+    import torch.distributed as dist
+
+    import keras_parallel
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(width, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile("sgd", "mse")
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    callbacks = [Timer()]
+    if world > 1:
+        callbacks.append(keras_parallel.ShardingCallback(keras_parallel.DataParallel()))
+    counter = []
+    model.fit(
+        **_inputs(kind, row_ms, counter), epochs=3, verbose=0, callbacks=callbacks
+    )
+    loaded = counter[0].loaded / 3 if counter else None
+    return {"seconds": statistics.median(times[1:]), "rows_per_epoch": loaded}
+
+
+def measure(kind, processes, row_ms, width):
+    from keras_parallel.launcher.torch_processes import launch
+
+    results = launch(epoch_seconds, processes, args=(kind, row_ms, width), timeout=600)
+    return max(r["seconds"] for r in results), [r["rows_per_epoch"] for r in results]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--row-ms", type=float, default=1.0)
+    args = parser.parse_args()
+    cases = [
+        ("DataLoader", "input-bound", args.row_ms, 16),
+        ("arrays", "compute-bound", 0.0, 1024),
+    ]
+    report = {}
+    for kind, what, row_ms, width in cases:
+        runs = {1: [], 2: []}
+        rows = {}
+        for _ in range(args.rounds):
+            for processes in (1, 2):
+                seconds, rows[processes] = measure(kind, processes, row_ms, width)
+                runs[processes].append(seconds)
+        one, two = statistics.median(runs[1]), statistics.median(runs[2])
+        report[f"{kind} ({what})"] = {
+            "1 process s/epoch": round(one, 3),
+            "2 processes s/epoch": round(two, 3),
+            "ratio": round(two / one, 3),
+            "rows prepared per process per epoch": rows[2],
+        }
+        print(kind, what, json.dumps(report[f"{kind} ({what})"]), flush=True)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

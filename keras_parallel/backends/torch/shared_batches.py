@@ -1,0 +1,145 @@
+"""Batches one rank prepares and shares: a `PyDataset`, a generator.
+
+A `keras.utils.PyDataset` makes a whole global batch in `__getitem__(i)`,
+and a generator yields one; no rank can load only its rows of them. So the
+ranks share the work instead of repeating it:
+
+- `PyDataset` (finite, one worker: made in Keras's order): the epoch's
+  batches are owned round-robin (the batch at position `k` of the epoch's
+  order by rank `k mod W`). Each rank makes the batches it owns, `AHEAD` of
+  them in advance on a thread, and at position `k` its owner scatters to
+  every rank its rows of the batch. Each rank so makes `1 / W` of the
+  batches and holds `AHEAD` of them at once.
+- generator: rank 0 alone draws from it (Keras's own iterator of the
+  generator) and scatters each batch's rows; the other ranks never draw
+  (beyond the one batch Keras peeks when `fit` starts). The work is one
+  device's, not `W` times it.
+
+The order is Keras's (`PyDataset` shuffled with Python's `random`, whose
+state every rank shares); a batch's rows are `batches.split_rows`'; each
+batch a rank yields is remembered with its global size
+(`DividedInput.global_rows`). The scatter is one collective per batch, in
+the same order on every rank.
+"""
+
+import queue
+import random
+import threading
+
+import numpy as np
+import torch.distributed as dist
+from keras import ops
+
+from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
+from keras_parallel.backends.torch.keras_compat import tree
+
+#: Batches a rank makes before they are asked for (per thread, `PyDataset`).
+AHEAD = 2
+
+_END = "end of the epoch"
+
+
+def pydataset_batches(adapter, world_size, rank):
+    """This rank's rows of each batch of a `PyDatasetAdapter`'s epoch.
+
+    Args:
+        adapter: Keras's data adapter of the `PyDataset` (finite).
+        world_size: the number of ranks.
+        rank: this rank.
+
+    Returns:
+        A generator of `(global rows, this rank's rows)`.
+    """
+    dataset = adapter.py_dataset
+    order = list(range(dataset.num_batches))
+    if adapter.shuffle:
+        random.shuffle(order)  # As Keras's own iterator does, once an epoch.
+    owned = [i for k, i in enumerate(order) if k % world_size == rank]
+    made = _made_ahead(owned, lambda i: adapter._standardize_batch(dataset[i]))
+    try:
+        for k in range(len(order)):
+            owner = k % world_size
+            batch = next(made) if owner == rank else None
+            yield _scattered(batch, owner, world_size, rank)
+    finally:
+        made.close()
+
+
+def generator_batches(numpy_batches, world_size, rank):
+    """This rank's rows of each batch of a generator rank 0 draws.
+
+    Args:
+        numpy_batches: Keras's NumPy iterator of the generator (read on
+            rank 0 only).
+        world_size: the number of ranks.
+        rank: this rank.
+
+    Returns:
+        A generator of `(global rows, this rank's rows)`.
+    """
+    while True:
+        batch = None
+        if rank == 0:
+            batch = next(numpy_batches, _END)
+        shared = _scattered(batch, 0, world_size, rank)
+        if shared is _END:
+            return
+        yield shared
+
+
+def _scattered(batch, owner, world_size, rank):
+    """`(global rows, rows of rank)` of the owner's `batch`, on every rank."""
+    pieces = None
+    if rank == owner:
+        if isinstance(batch, str):
+            pieces = [batch] * world_size
+        else:
+            rows = batch_rows(batch)
+            pieces = []
+            for r in range(world_size):
+                start, stop, whole = split_rows(rows, world_size, r)
+                part = batch if whole else slice_rows(batch, rows, start, stop)
+                pieces.append((rows, part))
+    received = [None]
+    dist.scatter_object_list(received, pieces, src=owner)
+    if isinstance(received[0], str):
+        return _END
+    rows, part = received[0]
+    return rows, tree.map_structure(_tensor, part)
+
+
+def _tensor(value):
+    if isinstance(value, np.ndarray):
+        return ops.convert_to_tensor(value)
+    return value
+
+
+def _made_ahead(indices, make):
+    """`make(i)` for each of `indices`, in order, made on a thread `AHEAD`."""
+    results = queue.Queue(maxsize=AHEAD)
+    stop = threading.Event()
+
+    def work():
+        for index in indices:
+            try:
+                item = ("ok", make(index))
+            except BaseException as error:  # Raised where it is asked for.
+                item = ("error", error)
+            while not stop.is_set():
+                try:
+                    results.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set() or item[0] == "error":
+                return
+
+    threading.Thread(target=work, daemon=True).start()
+    try:
+        for _ in indices:
+            status, value = results.get()
+            if status == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
