@@ -164,3 +164,26 @@ def _loaded(kind, train, validation):
     if kind == "generator":
         return train.drawn
     return None
+
+
+def pipeline_fails_on_rank_1():
+    """A PyDataset whose batch 1 (made by rank 1, round-robin) raises."""
+    import keras
+
+    import keras_parallel
+
+    x, y = torch_workers.make_data(256)
+
+    class Failing(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            if i == 1:
+                raise RuntimeError("batch 1 could not be decoded")
+            return x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+
+    model = torch_workers.make_model(distributed=False)
+    torch_workers._compile(model)
+    door = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+    model.fit(Failing(), epochs=1, verbose=0, shuffle=False, callbacks=[door])

@@ -159,9 +159,11 @@ def test_callback_refuses_a_trainer_that_is_not_a_model():
 
     # As Keras's own trainer tests build one: the backend's trainer mixed
     # into a layer.
+    # (Keras 3.16 names each of them `Trainer`.)
     names = {"jax": "JAXTrainer", "torch": "TorchTrainer"}
     module = importlib.import_module(f"keras.src.backend.{BACKEND}.trainer")
-    Trainer = getattr(module, names.get(BACKEND, "TensorFlowTrainer"))
+    Trainer = getattr(module, names.get(BACKEND, "TensorFlowTrainer"), None)
+    Trainer = Trainer or module.Trainer
 
     class DenseTrainer(Trainer, keras.layers.Dense):
         def __init__(self):

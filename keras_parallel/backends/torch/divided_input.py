@@ -78,7 +78,11 @@ class DividedInput:
         """A `PyDataset`'s or a generator's batches, shared between the
         ranks (`shared_batches`), or None for another input."""
         world_size, rank = self.world_size, self.rank
-        if kind == "PyDataset" and _made_in_order(adapter.py_dataset):
+        if (
+            kind == "PyDataset"
+            and _made_in_order(adapter.py_dataset)
+            and not _sharded_by_keras(adapter)
+        ):
 
             def batches():
                 return shared_batches.pydataset_batches(adapter, world_size, rank)
@@ -234,6 +238,12 @@ def _made_in_order(dataset):
         and int(dataset.workers or 0) <= 1
         and not dataset.use_multiprocessing
     )
+
+
+def _sharded_by_keras(adapter):
+    # Keras 3.16 can shard a PyDataset's batches between processes itself
+    # (`_num_data_shards`): each rank then reads its own batches already.
+    return int(getattr(adapter, "_num_data_shards", 1) or 1) > 1
 
 
 def _divisible(loader):

@@ -51,9 +51,7 @@ def pydataset_batches(adapter, world_size, rank):
         A generator of `(global rows, this rank's rows)`.
     """
     dataset = adapter.py_dataset
-    order = list(range(dataset.num_batches))
-    if adapter.shuffle:
-        random.shuffle(order)  # As Keras's own iterator does, once an epoch.
+    order = epoch_order(adapter, dataset.num_batches)
     owned = [i for k, i in enumerate(order) if k % world_size == rank]
     made = _made_ahead(owned, lambda i: adapter._standardize_batch(dataset[i]))
     try:
@@ -63,6 +61,20 @@ def pydataset_batches(adapter, world_size, rank):
             yield _scattered(batch, owner, world_size, rank)
     finally:
         made.close()
+
+
+def epoch_order(adapter, num_batches):
+    """The order of a `PyDataset`'s batches this epoch, as Keras's adapter
+    makes it: shuffled with Python's shared random state (Keras 3.15), or
+    seeded by the adapter's count of epochs (`_epoch`, Keras 3.16)."""
+    order = list(range(num_batches))
+    if adapter.shuffle:
+        epoch = getattr(adapter, "_epoch", None)
+        if isinstance(epoch, int):
+            random.Random(epoch).shuffle(order)
+        else:
+            random.shuffle(order)
+    return order
 
 
 def generator_batches(numpy_batches, world_size, rank):
