@@ -65,17 +65,46 @@ def _inputs(kind, row_ms, counter):
         return {"x": torch.utils.data.DataLoader(dataset, batch_size=BATCH)}
     if kind == "arrays":
         return {"x": x, "y": y, "batch_size": BATCH}
+    import keras
+
+    rows_made = RowWork(x, y, row_ms)  # Its count, for PyDataset and generator.
+    counter.append(rows_made)
+
+    def batch(i):
+        _busy(row_ms / 1000 * BATCH)
+        rows_made.loaded += BATCH
+        return x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+
+    if kind == "PyDataset":
+
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return ROWS // BATCH
+
+            def __getitem__(self, i):
+                return batch(i)
+
+        return {"x": Batches()}
+    if kind == "generator":
+
+        def batches():
+            while True:
+                for i in range(ROWS // BATCH):
+                    yield batch(i)
+
+        return {"x": batches(), "steps_per_epoch": ROWS // BATCH}
     raise ValueError(kind)
 
 
 def epoch_seconds(kind, row_ms, width):
     """Runs in every process: the median epoch time of a 3-epoch fit."""
     import keras
-    import torch.distributed as dist
 
     import keras_parallel
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    # The launcher's variables: the group itself starts with the first
+    # distribution.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
     hidden = keras.layers.Dense(width, activation="relu")(inputs)
@@ -97,6 +126,7 @@ def epoch_seconds(kind, row_ms, width):
     model.fit(
         **_inputs(kind, row_ms, counter), epochs=3, verbose=0, callbacks=callbacks
     )
+    # What the last 2 epochs prepared (the first also builds the metrics).
     loaded = counter[0].loaded / 3 if counter else None
     return {"seconds": statistics.median(times[1:]), "rows_per_epoch": loaded}
 
@@ -112,11 +142,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--row-ms", type=float, default=1.0)
+    parser.add_argument("--only", default="", help="kinds, comma-separated")
     args = parser.parse_args()
     cases = [
         ("DataLoader", "input-bound", args.row_ms, 16),
+        ("PyDataset", "input-bound", args.row_ms, 16),
+        ("generator", "input-bound", args.row_ms, 16),
         ("arrays", "compute-bound", 0.0, 1024),
     ]
+    if args.only:
+        cases = [case for case in cases if case[0] in args.only.split(",")]
     report = {}
     for kind, what, row_ms, width in cases:
         runs = {1: [], 2: []}

@@ -169,8 +169,7 @@ def input_line(kind, divided, processes):
     if divided and kind == "PyDataset":
         return (
             f"Input: PyDataset, batches made round-robin by {processes} "
-            f"processes, {shared_batches.AHEAD} ahead, each process receiving "
-            "its rows"
+            "processes, each process receiving its rows of every batch"
         )
     if divided and kind == "generator":
         return (

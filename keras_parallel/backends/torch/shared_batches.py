@@ -6,10 +6,12 @@ ranks share the work instead of repeating it:
 
 - `PyDataset` (finite, one worker: made in Keras's order): the epoch's
   batches are owned round-robin (the batch at position `k` of the epoch's
-  order by rank `k mod W`). Each rank makes the batches it owns, `AHEAD` of
-  them in advance on a thread, and at position `k` its owner scatters to
-  every rank its rows of the batch. Each rank so makes `1 / W` of the
-  batches and holds `AHEAD` of them at once.
+  order by rank `k mod W`). At every `W`-th position each rank makes the
+  one batch it owns among the next `W`, all ranks at once, and at each of
+  those positions the owner scatters to every rank its rows of its batch.
+  Each rank so makes `1 / W` of the batches, in parallel with the others,
+  and holds one at a time. (Made on the main thread: a thread making
+  batches ahead would hold the GIL against every step's torch calls.)
 - generator: rank 0 alone draws from it (Keras's own iterator of the
   generator) and scatters each batch's rows; the other ranks never draw
   (beyond the one batch Keras peeks when `fit` starts). The work is one
@@ -22,9 +24,7 @@ batch a rank yields is remembered with its global size
 the same order on every rank.
 """
 
-import queue
 import random
-import threading
 
 import numpy as np
 import torch.distributed as dist
@@ -32,9 +32,6 @@ from keras import ops
 
 from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
 from keras_parallel.backends.torch.keras_compat import tree
-
-#: Batches a rank makes before they are asked for (per thread, `PyDataset`).
-AHEAD = 2
 
 _END = "end of the epoch"
 
@@ -52,15 +49,17 @@ def pydataset_batches(adapter, world_size, rank):
     """
     dataset = adapter.py_dataset
     order = epoch_order(adapter, dataset.num_batches)
-    owned = [i for k, i in enumerate(order) if k % world_size == rank]
-    made = _made_ahead(owned, lambda i: adapter._standardize_batch(dataset[i]))
-    try:
-        for k in range(len(order)):
-            owner = k % world_size
-            batch = next(made) if owner == rank else None
-            yield _scattered(batch, owner, world_size, rank)
-    finally:
-        made.close()
+    made = None
+    for k in range(len(order)):
+        if k % world_size == 0:
+            # The next `W` positions: each rank makes its own one at once,
+            # all in parallel; then `W` scatters hand them round.
+            position = k + rank
+            made = None
+            if position < len(order):
+                made = adapter._standardize_batch(dataset[order[position]])
+        owner = k % world_size
+        yield _scattered(made if owner == rank else None, owner, world_size, rank)
 
 
 def epoch_order(adapter, num_batches):
@@ -124,34 +123,3 @@ def _tensor(value):
     if isinstance(value, np.ndarray):
         return ops.convert_to_tensor(value)
     return value
-
-
-def _made_ahead(indices, make):
-    """`make(i)` for each of `indices`, in order, made on a thread `AHEAD`."""
-    results = queue.Queue(maxsize=AHEAD)
-    stop = threading.Event()
-
-    def work():
-        for index in indices:
-            try:
-                item = ("ok", make(index))
-            except BaseException as error:  # Raised where it is asked for.
-                item = ("error", error)
-            while not stop.is_set():
-                try:
-                    results.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set() or item[0] == "error":
-                return
-
-    threading.Thread(target=work, daemon=True).start()
-    try:
-        for _ in indices:
-            status, value = results.get()
-            if status == "error":
-                raise value
-            yield value
-    finally:
-        stop.set()
