@@ -127,7 +127,12 @@ class DividedInput:
         return rank_loader
 
     def remembered_pairs(self, pairs):
-        """Yields the batches of `(global rows, batch)` pairs, remembered."""
+        """Yields the batches of `(global rows, batch)` pairs, each
+        remembered with its global size (`global_rows`).
+
+        Args:
+            pairs: a generator of `(global rows, this rank's batch)`.
+        """
         kept = []
         try:
             for rows, batch in pairs:
@@ -140,26 +145,6 @@ class DividedInput:
             for key in kept:
                 self._global_rows.pop(key, None)
             pairs.close()
-
-    def remembered(self, iterator, sizes):
-        """Yields `iterator`'s batches, each remembered with its global size.
-
-        Args:
-            iterator: an iterator of the rank loader.
-            sizes: the global batch sizes its sampler drew (a deque).
-        """
-        kept = []
-        try:
-            for batch in iterator:
-                self._global_rows[id(batch)] = (batch, sizes.popleft())
-                kept.append(id(batch))
-                if len(kept) > 64:
-                    kept = [key for key in kept if key in self._global_rows]
-                yield batch
-        finally:
-            # A batch drawn but never stepped (Keras's symbolic build).
-            for key in kept:
-                self._global_rows.pop(key, None)
 
 
 def input_line(kind, divided, processes):
@@ -183,8 +168,8 @@ def input_line(kind, divided, processes):
         )
     return (
         f"Input: {kind}, read whole by each of {processes} processes, each "
-        "keeping its rows (arrays, a map-style DataLoader, a PyDataset and a "
-        "generator divide the work; see docs/multihost.md)"
+        "keeping its rows (arrays, a map-style DataLoader, a PyDataset of one "
+        "worker and a generator divide the work; see docs/multihost.md)"
     )
 
 
@@ -218,7 +203,9 @@ class _Remembered:
     def __iter__(self):
         iterator = iter(self.rank_loader)
         sizes = self.rank_loader.batch_sampler.sizes  # This iteration's.
-        return self.divided.remembered(iterator, sizes)
+        return self.divided.remembered_pairs(
+            (sizes.popleft(), batch) for batch in iterator
+        )
 
     def __len__(self):
         return len(self.rank_loader)
