@@ -171,11 +171,15 @@ def test_guide_convnet_trains_as_data_parallel_and_one_device(mode):
     assert max_relative_difference(convnet_weights("one device", 1)[0], weights) < 5e-5
     # Against plain DataParallel, which computes the same sums: sharding
     # changes where the state lives, not what is computed (measured: 0 for
-    # "optimizer", 7e-6 for "full" after 10 steps). Against one device,
+    # "optimizer", 7e-6 for "full" after 10 steps). "full" reduce-scatters
+    # the gradients where plain DataParallel all-reduces them: another
+    # order of the same 8-way sums, whose rounding after one Adam step was
+    # 1.34e-5 on this machine's CPUs (AVX-512 / AMX kernels; the same on
+    # the commit before, in tox's jax env), so 3e-5. Against one device,
     # Adam turns the 8-way sums' roundings into up to 3e-3 in the small
     # BatchNorm betas by step 10 under plain DataParallel too (measured),
     # a property of float32 and Adam that the MLP test above does not meet.
-    assert max_relative_difference(convnet_weights(None, 1)[0], weights) < 1e-5
+    assert max_relative_difference(convnet_weights(None, 1)[0], weights) < 3e-5
     ten_steps = convnet_weights(mode, 10)[0]
     assert max_relative_difference(convnet_weights(None, 10)[0], ten_steps) < 1e-4
     sharded = {v.path: v for v in plan.variables if "batch" in v.axes}
