@@ -250,13 +250,31 @@ def test_sharding_callback_on_a_plain_model():
     model = _mlp(keras.Model)
     _compile(model)
     callback = keras_parallel.ShardingCallback(_distribution(4))
+    mirrored = []
+    watch = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: mirrored.append(
+            isinstance(
+                model.get_layer("d1").kernel._value, tf.distribute.DistributedValues
+            )
+        )
+    )
     split_probe.clear()
     history = model.fit(
-        x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[callback]
+        x,
+        y,
+        batch_size=64,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback, watch],
     )
     split_probe.assert_divided(split_probe.records(), 64, 4)
     expected = reference.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    assert isinstance(
+    # On the strategy while the run trains; given back to one device when
+    # it ends, so that plain Keras runs the model right after
+    # (`released_after_a_callback_run`).
+    assert mirrored and all(mirrored)
+    assert not isinstance(
         model.get_layer("d1").kernel._value, tf.distribute.DistributedValues
     )
     assert _rel_diff(model, reference) < 1e-4
