@@ -79,7 +79,7 @@ class CountedGenerator:
                 yield self.x[rows], self.y[rows]
 
 
-def run(kind, distributed=True, num_workers=0, shuffle=True):
+def run(kind, distributed=True, num_workers=0, shuffle=True, torch_seed=0):
     """Fits, evaluates and predicts through one kind of input.
 
     Args:
@@ -89,6 +89,8 @@ def run(kind, distributed=True, num_workers=0, shuffle=True):
         num_workers: the loader's worker processes (the PyDataset's
             worker threads).
         shuffle: `fit`'s shuffle of arrays and of a PyDataset.
+        torch_seed: torch's seed in this process (a loader shuffles with
+            it); every process must shuffle as process 0.
 
     Returns:
         A dict: `loaded` (rows this process's pipeline prepared), weights,
@@ -96,17 +98,21 @@ def run(kind, distributed=True, num_workers=0, shuffle=True):
         input kinds the steps divided.
     """
     import keras
-    import torch
 
     import keras_parallel
 
+    try:
+        import torch
+    except ImportError:  # The JAX env may lack torch: no DataLoader then.
+        torch = None
     x, y = torch_workers.make_data(ROWS)
     model = torch_workers.make_model(distributed=False)
     torch_workers._compile(model)
     callbacks = []
     if distributed:
         callbacks.append(keras_parallel.ShardingCallback(keras_parallel.DataParallel()))
-    torch.manual_seed(0)  # The loader's shuffle (rank 0's on every rank).
+    if torch is not None:
+        torch.manual_seed(torch_seed)  # The loader's shuffle: process 0's counts.
     train = validation = None
     if kind == "dataloader":
         train = Counted(x, y)
@@ -137,19 +143,52 @@ def run(kind, distributed=True, num_workers=0, shuffle=True):
     predictions = model.predict(
         x[:203], batch_size=BATCH, verbose=0, callbacks=callbacks[:1]
     )
-    steps = getattr(model, "_kp_callback_binding", None)
-    steps = steps and steps.executor._steps
     return {
-        "rank": int(os.environ.get("RANK", "0")),
+        "rank": _process_index(),
         "loaded": _loaded(kind, train, validation),
         "weights": [np.asarray(w) for w in model.get_weights()],
         "history": {k: list(map(float, v)) for k, v in history.history.items()},
         "evaluation": {k: float(v) for k, v in evaluation.items()},
         "predictions": np.asarray(predictions),
         "split": split,
-        "divided": dict(steps.divided_input.kinds) if steps is not None else {},
+        "divided": _divided_kinds(model),
         "keras": keras.version(),
     }
+
+
+def _process_index():
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.process_index()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _divided_kinds(model):
+    """The input kinds seen, and whether each was divided (`{}` alone)."""
+    binding = getattr(model, "_kp_callback_binding", None)
+    if binding is None:
+        return {}
+    executor = binding.executor
+    divided = getattr(executor, "divided_input", None)
+    if divided is None:
+        divided = executor._steps.divided_input
+    return dict(divided.kinds)
+
+
+def assert_trained_as_one_device(result, reference):
+    """Weights, History, evaluation and predictions equal one device's."""
+    for a, b in zip(result["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for key, values in reference["history"].items():
+        np.testing.assert_allclose(result["history"][key], values, rtol=1e-5)
+    for key, value in reference["evaluation"].items():
+        np.testing.assert_allclose(result["evaluation"][key], value, rtol=1e-5)
+    np.testing.assert_allclose(
+        result["predictions"], reference["predictions"], rtol=1e-5, atol=1e-6
+    )
 
 
 def run_all(cases):

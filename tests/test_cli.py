@@ -198,6 +198,27 @@ def test_launch_names_a_process_killed_by_a_signal(capfd):
     assert "traceback" not in err
 
 
+def test_launch_names_the_process_with_the_cause_not_one_a_peer_broke(capfd):
+    # Process 0's collective broke when process 1 failed (its gloo
+    # connection reset), and it exited first: process 1's error is named.
+    from keras_parallel.launcher import supervisor
+
+    broken = f"raise SystemExit({supervisor.BROKEN_COLLECTIVE_EXIT_CODE})"
+    cause = "import time; time.sleep(1); raise SystemExit(3)"
+    commands = [
+        ([sys.executable, "-c", broken], dict(os.environ)),
+        ([sys.executable, "-c", cause], dict(os.environ)),
+    ]
+    assert supervisor.supervise(commands) == 3
+    err = capfd.readouterr().err
+    assert "keras-parallel launch: process 1 failed with exit code 3" in err
+    assert "process 0" not in err
+    # Alone, the broken collective is the failure named.
+    assert supervisor.supervise(commands[:1]) == 1
+    err = capfd.readouterr().err
+    assert "process 0 failed in a collective a peer broke" in err
+
+
 def test_launch_started_by_a_joined_process_lets_its_processes_join(tmp_path):
     # A joined process's children inherit KERAS_PARALLEL_JOINED_PID and run
     # alone (cluster_join.may_join); a launcher started from one starts a

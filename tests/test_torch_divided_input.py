@@ -9,7 +9,6 @@ split proven by the rows each rank's steps computed.
 
 import divided_input_workers as workers
 import keras
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(
@@ -54,15 +53,7 @@ def one_process():
 def test_two_ranks_train_as_one_process(two_ranks, one_process, name):
     reference = one_process[name]
     for result in two_ranks[name]:
-        for a, b in zip(result["weights"], reference["weights"], strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        for key, values in reference["history"].items():
-            np.testing.assert_allclose(result["history"][key], values, rtol=1e-5)
-        for key, value in reference["evaluation"].items():
-            np.testing.assert_allclose(result["evaluation"][key], value, rtol=1e-5)
-        np.testing.assert_allclose(
-            result["predictions"], reference["predictions"], rtol=1e-5, atol=1e-6
-        )
+        workers.assert_trained_as_one_device(result, reference)
         # The split: each step of this rank computed its half (32 of 64;
         # 22 or 21 of the last 43; validation's batches of 64, or of 32
         # where fit has no batch_size: 23 or 22 of 45, 16, 7 or 6 of 13).
@@ -102,15 +93,6 @@ def test_each_rank_loads_about_half_the_rows(two_ranks, one_process):
         )
         assert result["loaded"] == 2 * share + 64
         assert result["loaded"] <= alone / 2 + 64
-
-
-def test_the_first_fit_says_how_its_input_is_divided():
-    from keras_parallel.backends.torch.divided_input import input_line
-
-    assert input_line("DataLoader", True, 2) == (
-        "Input: DataLoader, each of 2 processes loads its rows of every global batch"
-    )
-    assert "read whole by each of 2 processes" in input_line("generator", False, 2)
 
 
 def test_each_rank_makes_half_a_pydatasets_batches(two_ranks, one_process):

@@ -67,7 +67,8 @@ def _row_count():
             self.rows.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], "float32"))
 
         def result(self):
-            return self.rows
+            # A tensor, not the variable (JAX cannot trace a variable).
+            return keras.ops.convert_to_tensor(self.rows)
 
     return RowCount()
 

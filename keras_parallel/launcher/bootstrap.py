@@ -22,6 +22,7 @@ import runpy
 import sys
 import traceback
 
+from keras_parallel.launcher.supervisor import BROKEN_COLLECTIVE_EXIT_CODE
 from keras_parallel.persistence.preemption_settings import PREEMPTED_EXIT_CODE
 
 
@@ -47,10 +48,10 @@ def main(argv=None):
         if code:
             _exit(code)
         raise
-    except BaseException:
+    except BaseException as error:
         print(f"keras-parallel: {process} failed:", file=sys.stderr)
         traceback.print_exc()
-        _exit(1)
+        _exit(BROKEN_COLLECTIVE_EXIT_CODE if _broken_collective(error) else 1)
 
 
 def _runtime(backend):
@@ -102,6 +103,19 @@ def _mark_preempted():
         rank = os.environ.get("RANK", str(os.getpid()))
         with open(os.path.join(marks, f"rank{rank}"), "w"):
             pass
+
+
+def _broken_collective(error):
+    """Whether a JAX process failed only because a collective broke (a peer
+    failed or left: gloo's or NCCL's connection closed), which the launcher
+    reports only if no process names a cause of its own."""
+    if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+        return False
+    text = str(error).lower()
+    return any(
+        word in text
+        for word in ("gloo", "nccl", "connection reset", "connection closed")
+    )
 
 
 def _exit(code):

@@ -6,7 +6,10 @@ torchrun's elastic agent). The rules:
 - every process runs to its end; the launcher exits 0 if all exit 0;
 - the first process that fails is named with its exit code, the others get
   `FAILURE_GRACE_S` to stop by themselves (they usually fail at their next
-  collective), then SIGTERM, then SIGKILL: nothing is left behind;
+  collective), then SIGTERM, then SIGKILL: nothing is left behind. A
+  process whose collective broke because a peer left (it exits with
+  `BROKEN_COLLECTIVE_EXIT_CODE`) is named only if no process reports an
+  error of its own within `FAILURE_GRACE_S`: the user sees the cause;
 - SIGTERM or Ctrl-C to the launcher is passed on to every process, with the
   same escalation;
 - with `max_restarts` K, a failed group is ended whole and started again,
@@ -27,6 +30,10 @@ from keras_parallel.persistence.preemption_settings import (
 #: A JAX process waiting in a collective for a dead peer does not stop by
 #: itself (seen: still waiting after 10 s), so longer only delays the end.
 FAILURE_GRACE_S = 5.0
+#: The exit status of a process whose collective broke (a peer failed or
+#: left): not the cause of a failure, which another process reports
+#: (`bootstrap`).
+BROKEN_COLLECTIVE_EXIT_CODE = 76
 #: Seconds between SIGTERM and SIGKILL. JAX's preemption notifier catches
 #: SIGTERM in every process of `jax.distributed` (it only records it), so a
 #: JAX process stuck in a collective ends at the SIGKILL.
@@ -108,6 +115,7 @@ def _process_env(env, attempt):
 def _wait(processes, stopped, label):
     failed_at = None
     failure = None
+    broken = None  # (rank, when): a process whose collective broke.
     preempted_at = None
     forwarded = False
     while True:
@@ -130,15 +138,31 @@ def _wait(processes, stopped, label):
             for rank, code in enumerate(codes):
                 if code == PREEMPTED_EXIT_CODE and preempted_at is None:
                     preempted_at = time.monotonic()
-                elif code not in (None, 0, PREEMPTED_EXIT_CODE):
+                elif code == BROKEN_COLLECTIVE_EXIT_CODE and broken is None:
+                    broken = (rank, time.monotonic())
+                elif code not in (
+                    None,
+                    0,
+                    PREEMPTED_EXIT_CODE,
+                    BROKEN_COLLECTIVE_EXIT_CODE,
+                ):
                     failure = (rank, code)
-                    failed_at = time.monotonic()
-                    print(
-                        f"keras-parallel launch: {label} {rank} "
-                        f"{how_it_ended(code)}; ending the others.",
-                        file=sys.stderr,
-                    )
                     break
+            if failure is None and broken is not None:
+                # No process named a cause in time: the broken one it is.
+                ended = all(code is not None for code in codes)
+                if ended or time.monotonic() - broken[1] > FAILURE_GRACE_S:
+                    failure = (broken[0], 1)
+            if failure is not None:
+                failed_at = time.monotonic()
+                rank, code = failure
+                how = how_it_ended(codes[rank])
+                if codes[rank] == BROKEN_COLLECTIVE_EXIT_CODE:
+                    how = "failed in a collective a peer broke (its traceback is above)"
+                print(
+                    f"keras-parallel launch: {label} {rank} {how}; ending the others.",
+                    file=sys.stderr,
+                )
         if all(code is not None for code in codes):
             break
         if failure is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:

@@ -50,7 +50,7 @@ def laid_out_inputs(function):
     return step
 
 
-def distribute_batch(per_process_batch, layout, batch_dim_name, previous):
+def distribute_batch(per_process_batch, layout, batch_dim_name, previous, divided=None):
     """Keras's `distribute_data_input`, for batches of any size.
 
     Keras's JAX epoch iterator computes the data layout from the first batch
@@ -62,8 +62,13 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous):
     batch of a new shape costs on one device too, and a transfer of the
     whole batch to every device rather than of its rows to each.
 
-    `previous` is the function this one replaced (Keras's).
+    `previous` is the function this one replaced (Keras's). Across
+    processes, `divided` (a `divided_input.DividedInput`) places the
+    batches a process loaded only its rows of.
     """
+    part = divided.part(per_process_batch) if divided is not None else None
+    if part is not None:
+        return divided.place(per_process_batch, *part)
     sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
     spec = getattr(sharding, "spec", ())
     if spec and spec[0] is not None and isinstance(per_process_batch, JAXSparse):
@@ -88,8 +93,8 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous):
                 sharding.mesh, jax.sharding.PartitionSpec()
             )
     if processes.is_multi_process():
-        # Every process holds the whole global batch (the same data, the
-        # same shuffle); each transfers only its own devices' rows.
+        # This process holds the whole global batch (arrays, a PyDataset or
+        # a generator: `divided_input`); it transfers only its devices' rows.
         return processes.place(per_process_batch, sharding)
     return previous(per_process_batch, sharding, batch_dim_name)
 

@@ -27,6 +27,8 @@ from keras.distribution import TensorLayout
 
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.jax import batches, processes
+from keras_parallel.backends.jax.divided_input import DividedInput, adapter_replacements
+from keras_parallel.backends.jax.keras_compat import DATA_ADAPTERS
 from keras_parallel.backends.jax.keras_compat import (
     distribution_lib as keras_jax_distribution_lib,
 )
@@ -118,6 +120,8 @@ class JaxExecutor(Executor):
         self._planned = None
         self._undo_saving = None
         self._model = None  # A weak reference to the planned model.
+        #: Across processes, each process's share of the input.
+        self.divided_input = None
 
     @classmethod
     def list_devices(cls):
@@ -226,12 +230,21 @@ class JaxExecutor(Executor):
         previous = keras.distribution.distribution()
         keras.distribution.set_distribution(self._planned)
         replacements = Replacements()
+        divided = None
+        if processes.is_multi_process():
+            divided = self._divided_input()
+            for (cls, name), function in adapter_replacements(
+                divided, DATA_ADAPTERS
+            ).items():
+                replacements.replace(cls, name, function)
         lib = keras_jax_distribution_lib
         replacements.replace(
             lib,
             "distribute_data_input",
             functools.partial(
-                batches.distribute_batch, previous=lib.distribute_data_input
+                batches.distribute_batch,
+                previous=lib.distribute_data_input,
+                divided=divided,
             ),
         )
         jit = functools.partial(
@@ -255,6 +268,12 @@ class JaxExecutor(Executor):
                 chief_only.uninstall()
             replacements.restore()
             keras.distribution.set_distribution(previous)
+
+    def _divided_input(self):
+        if self.divided_input is None:
+            self.divided_input = DividedInput(self._planned)
+        self.divided_input.distribution = self._planned
+        return self.divided_input
 
     def _on_cpu(self):
         names = self.device_names(self.distribution.device_mesh.devices.flatten())

@@ -22,6 +22,27 @@ distribution_lib = internal(
     "keras.src.backend.jax.distribution_lib", "distribute_data_input", "initialize"
 )
 
+#: The data adapters whose `get_jax_iterator` is replaced, in scope across
+#: processes, to divide the input (`divided_input`): a `PyDataset`'s batches
+#: made as Keras's adapter makes them (`_standardize_batch`, `py_dataset`,
+#: `shuffle`), a torch loader read from `_dataloader`; NumPy conversion and
+#: nested structures as Keras's.
+_adapters = "keras.src.trainers.data_adapters"
+_ADAPTER_CLASSES = (
+    ("array_data_adapter", "ArrayDataAdapter"),
+    ("generator_data_adapter", "GeneratorDataAdapter"),
+    ("py_dataset_adapter", "PyDatasetAdapter"),
+    ("tf_dataset_adapter", "TFDatasetAdapter"),
+    ("torch_data_loader_adapter", "TorchDataLoaderAdapter"),
+)
+DATA_ADAPTERS = tuple(
+    getattr(internal(f"{_adapters}.{module}", f"{name}.get_jax_iterator"), name)
+    for module, name in _ADAPTER_CLASSES
+)
+internal(f"{_adapters}.py_dataset_adapter", "PyDatasetAdapter._standardize_batch")
+data_adapter_utils = internal(f"{_adapters}.data_adapter_utils", "get_numpy_iterator")
+tree = internal("keras.src.tree", "flatten", "map_structure")
+
 #: Keras's saving converts every variable with this module's
 #: `convert_to_numpy` (`keras.src.backend` up to 3.15, `keras.src.backend.ops`
 #: in 3.16); across processes, replaced while a model is saved by one that
@@ -60,6 +81,15 @@ REPLACED = (
     ),
     *(
         Target(
+            f"{_adapters}.{module}.{name}",
+            "get_jax_iterator",
+            "across processes, each process prepares only its share of the "
+            "input (`divided_input.py`)",
+        )
+        for module, name in _ADAPTER_CLASSES
+    ),
+    *(
+        Target(
             module,
             "convert_to_numpy",
             "across processes, saving reads the values every process gathered "
@@ -80,4 +110,7 @@ OBJECT_ATTRIBUTES = {
     # Keras's JAX fit stores its step state here after each step;
     # DistributedModel stores it untracked (model.py).
     "keras.Model (after fit)": ("_jax_state",),
+    # The input divided between processes (`divided_input.py`).
+    "PyDatasetAdapter": ("py_dataset", "shuffle"),
+    "TorchDataLoaderAdapter": ("_dataloader",),
 }

@@ -10,7 +10,8 @@ data. Four things then need the other processes:
 - `place`: an array every process holds whole (a weight, a global batch)
   laid out on the global mesh, each process transferring only the shards of
   its own devices: its rows of each global batch.
-- `broadcast_bytes`, `reduce_sum`, `barrier`: the executor's collectives
+- `broadcast_bytes`, `allgather_bytes`, `reduce_sum`, `barrier`: the
+  executor's collectives and the input's (`divided_input`)
   (process 0's random state reaches every process through them, so that
   all draw the same shuffle: `Executor.share_host_random_state`).
 - `fetch`: a global array's whole value on every process (predictions, and
@@ -86,6 +87,29 @@ def broadcast_bytes(payload, src=0):
         buffer[:] = np.frombuffer(payload, np.uint8)
     buffer = multihost_utils.broadcast_one_to_all(buffer, is_source=is_source)
     return np.asarray(buffer, np.uint8).tobytes()
+
+
+def allgather_bytes(payload):
+    """Every process's `payload` (bytes) on every process: two all-gathers.
+
+    Args:
+        payload: this process's bytes (any length).
+
+    Returns:
+        A list of every process's bytes, by process index.
+    """
+    if not is_multi_process():
+        return [payload]
+    lengths = np.asarray(
+        multihost_utils.process_allgather(np.asarray([len(payload)], np.int64))
+    ).ravel()
+    buffer = np.zeros(int(lengths.max()), np.uint8)
+    buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer), np.uint8)
+    gathered = gathered.reshape(len(lengths), -1)
+    return [
+        row[:length].tobytes() for row, length in zip(gathered, lengths, strict=True)
+    ]
 
 
 def reduce_sum(value):

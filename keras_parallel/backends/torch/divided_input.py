@@ -23,13 +23,11 @@ infinite `PyDataset`, a `tf.data.Dataset`) are iterated whole on every
 rank, each rank keeping its rows, as before.
 """
 
-import collections
 import weakref
-
-import torch
 
 from keras_parallel.backends.torch import shared_batches
 from keras_parallel.backends.torch.batches import split_rows
+from keras_parallel.input import kinds, rank_loader
 from keras_parallel.keras_compat import print_msg
 
 
@@ -50,39 +48,35 @@ class DividedInput:
         #: (whether each was divided).
         self.kinds = {}
 
-    def batches(self, loader, kind, adapter=None):
+    def batches(self, loader, adapter):
         """This rank's batches of `loader`, or `loader` itself if it cannot
         be divided.
 
         Args:
             loader: what Keras's epoch iterator would iterate.
-            kind: the input's kind, for `kinds` (`"arrays"`, ...).
             adapter: Keras's data adapter of the input.
 
         Returns:
             An iterable.
         """
+        kind = kinds.input_kind(adapter)
         shared = self._shared(loader, kind, adapter)
-        rank_loader = None if shared is not None else self._rank_loader(loader)
-        divided = shared is not None or rank_loader is not None
+        own_loader = None if shared is not None else self._rank_loader(loader)
+        divided = shared is not None or own_loader is not None
         if kind not in self.kinds and self.rank == 0:
-            print_msg(input_line(kind, divided, self.world_size))
+            print_msg(kinds.input_line(kind, divided, self.world_size))
         self.kinds[kind] = divided
         if shared is not None:
             return shared
-        if rank_loader is None:
+        if own_loader is None:
             return loader
-        return _Remembered(self, rank_loader)
+        return _Remembered(self, own_loader)
 
     def _shared(self, loader, kind, adapter):
         """A `PyDataset`'s or a generator's batches, shared between the
         ranks (`shared_batches`), or None for another input."""
         world_size, rank = self.world_size, self.rank
-        if (
-            kind == "PyDataset"
-            and _made_in_order(adapter.py_dataset)
-            and not _sharded_by_keras(adapter)
-        ):
+        if kind == "PyDataset" and kinds.shareable_pydataset(adapter):
 
             def batches():
                 return shared_batches.pydataset_batches(adapter, world_size, rank)
@@ -115,16 +109,16 @@ class DividedInput:
         return entry[1]
 
     def _rank_loader(self, loader):
-        if not _divisible(loader):
+        if not rank_loader.divisible(loader):
             return None
-        rank_loader = self._loaders.get(loader)
-        if rank_loader is None:
-            sampler = _RankBatchSampler(
-                loader.batch_sampler, self.world_size, self.rank
+        made = self._loaders.get(loader)
+        if made is None:
+            world_size, rank = self.world_size, self.rank
+            made = rank_loader.rank_loader(
+                loader, lambda rows: split_rows(rows, world_size, rank)[:2]
             )
-            rank_loader = _like(loader, sampler)
-            self._loaders[loader] = rank_loader
-        return rank_loader
+            self._loaders[loader] = made
+        return made
 
     def remembered_pairs(self, pairs):
         """Yields the batches of `(global rows, batch)` pairs, each
@@ -145,32 +139,6 @@ class DividedInput:
             for key in kept:
                 self._global_rows.pop(key, None)
             pairs.close()
-
-
-def input_line(kind, divided, processes):
-    """How an input is divided, as the line the chief prints when it first
-    reads one (`"Input: arrays, each of 2 processes loads its rows of
-    every global batch"`)."""
-    if divided and kind == "PyDataset":
-        return (
-            f"Input: PyDataset, batches made round-robin by {processes} "
-            "processes, each process receiving its rows of every batch"
-        )
-    if divided and kind == "generator":
-        return (
-            f"Input: generator, drawn by process 0 alone, each of {processes} "
-            "processes receiving its rows"
-        )
-    if divided:
-        return (
-            f"Input: {kind}, each of {processes} processes loads its rows of "
-            "every global batch"
-        )
-    return (
-        f"Input: {kind}, read whole by each of {processes} processes, each "
-        "keeping its rows (arrays, a map-style DataLoader, a PyDataset of one "
-        "worker and a generator divide the work; see docs/multihost.md)"
-    )
 
 
 class _Shared:
@@ -209,77 +177,3 @@ class _Remembered:
 
     def __len__(self):
         return len(self.rank_loader)
-
-
-def _made_in_order(dataset):
-    """Whether Keras makes a `PyDataset`'s batches one by one, in its order.
-
-    With several workers (or processes) Keras's enqueuer makes them: it
-    shuffles on a thread of its own and goes on from where an earlier
-    iteration stopped, an order no rank could reproduce. Such a dataset is
-    read whole by every rank, as one device reads it.
-    """
-    return (
-        dataset.num_batches is not None
-        and int(dataset.workers or 0) <= 1
-        and not dataset.use_multiprocessing
-    )
-
-
-def _sharded_by_keras(adapter):
-    # Keras 3.16 can shard a PyDataset's batches between processes itself
-    # (`_num_data_shards`): each rank then reads its own batches already.
-    return int(getattr(adapter, "_num_data_shards", 1) or 1) > 1
-
-
-def _divisible(loader):
-    return (
-        isinstance(loader, torch.utils.data.DataLoader)
-        and loader.batch_sampler is not None
-        and not isinstance(loader.dataset, torch.utils.data.IterableDataset)
-    )
-
-
-class _RankBatchSampler(torch.utils.data.Sampler):
-    """This rank's indices of each global batch of a batch sampler."""
-
-    def __init__(self, batch_sampler, world_size, rank):
-        self.batch_sampler = batch_sampler
-        self.world_size = world_size
-        self.rank = rank
-        #: The global batch sizes drawn and not yet loaded, this iteration.
-        self.sizes = collections.deque()
-
-    def __iter__(self):
-        # A new count for each iteration, made when the loader starts it.
-        self.sizes = collections.deque()
-        return self._indices(self.sizes)
-
-    def _indices(self, sizes):
-        for indices in self.batch_sampler:
-            indices = list(indices)
-            start, stop, _ = split_rows(len(indices), self.world_size, self.rank)
-            sizes.append(len(indices))
-            yield indices[start:stop]
-
-    def __len__(self):
-        return len(self.batch_sampler)
-
-
-def _like(loader, batch_sampler):
-    """A loader like `loader` (dataset, collate, workers) over `batch_sampler`."""
-    options = dict(
-        batch_sampler=batch_sampler,
-        collate_fn=loader.collate_fn,
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
-    if loader.num_workers:
-        options["prefetch_factor"] = loader.prefetch_factor
-    return torch.utils.data.DataLoader(loader.dataset, **options)

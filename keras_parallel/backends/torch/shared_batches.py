@@ -24,14 +24,13 @@ batch a rank yields is remembered with its global size
 the same order on every rank.
 """
 
-import random
-
 import numpy as np
 import torch.distributed as dist
 from keras import ops
 
 from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
 from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.input import kinds
 
 _END = "end of the epoch"
 
@@ -48,7 +47,7 @@ def pydataset_batches(adapter, world_size, rank):
         A generator of `(global rows, this rank's rows)`.
     """
     dataset = adapter.py_dataset
-    order = epoch_order(adapter, dataset.num_batches)
+    order = kinds.epoch_order(adapter, dataset.num_batches)
     made = None
     for k in range(len(order)):
         if k % world_size == 0:
@@ -60,20 +59,6 @@ def pydataset_batches(adapter, world_size, rank):
                 made = adapter._standardize_batch(dataset[order[position]])
         owner = k % world_size
         yield _scattered(made if owner == rank else None, owner, world_size, rank)
-
-
-def epoch_order(adapter, num_batches):
-    """The order of a `PyDataset`'s batches this epoch, as Keras's adapter
-    makes it: shuffled with Python's shared random state (Keras 3.15), or
-    seeded by the adapter's count of epochs (`_epoch`, Keras 3.16)."""
-    order = list(range(num_batches))
-    if adapter.shuffle:
-        epoch = getattr(adapter, "_epoch", None)
-        if isinstance(epoch, int):
-            random.Random(epoch).shuffle(order)
-        else:
-            random.shuffle(order)
-    return order
 
 
 def generator_batches(numpy_batches, world_size, rank):

@@ -63,16 +63,6 @@ from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
 
-#: The input's kind, by Keras's data adapter, for the plan's input line.
-_INPUT_KINDS = {
-    "ArrayDataAdapter": "arrays",
-    "TorchDataLoaderAdapter": "DataLoader",
-    "GeneratorDataAdapter": "generator",
-    "PyDatasetAdapter": "PyDataset",
-    "TFDatasetAdapter": "tf.data",
-    "GrainDatasetAdapter": "Grain",
-}
-
 
 class DDPModule(torch.nn.Module):
     """The Keras model as DDP sees it: its parameters and its `call`.
@@ -266,9 +256,7 @@ class RankSteps:
             loader = keras_get_iterator(iterator)
             if getattr(iterator, "_kp_model_run", None) is not self.model:
                 return loader
-            adapter = getattr(iterator, "data_adapter", None)
-            kind = type(adapter).__name__
-            return divided.batches(loader, _INPUT_KINDS.get(kind, kind), adapter)
+            return divided.batches(loader, getattr(iterator, "data_adapter", None))
 
         return get_iterator
 

@@ -1,0 +1,244 @@
+"""Each JAX process prepares only its share of the input.
+
+Keras's JAX epoch iterator reads a data adapter's `get_jax_iterator` and
+lays out every batch (`batches.distribute_batch`), each process placing
+only its own devices' rows. Across processes these iterators are replaced,
+while an entry point runs, by ones that divide the work, each global batch
+and the order staying one device's:
+
+- a map-style torch `DataLoader`: each process loads only its rows of each
+  global batch (`keras_parallel.input.rank_loader`; the rows its devices
+  hold, or the whole batch where the data axis does not divide it, which
+  is then placed whole). Each part is remembered with the global batch's
+  size and placed as its process's rows of that batch (`place`);
+- a `PyDataset` of one worker: at every `W`-th position of the epoch's
+  order, each process makes the one batch it owns among the next `W`, all
+  at once, and one all-gather hands every process all `W` (so each holds
+  `W` batches, one group, at a time);
+- a generator: process 0 alone draws each batch and broadcasts it.
+
+Arrays are sliced from every process's own copy (a copy of the batch's
+rows, no conversion), each placing only its rows; a `tf.data.Dataset` and
+Grain are read whole by every process. The chief says how, once per kind.
+"""
+
+import collections
+import pickle
+
+import jax
+import numpy as np
+
+from keras_parallel.backends.jax import processes
+from keras_parallel.backends.jax.keras_compat import data_adapter_utils, tree
+from keras_parallel.input import kinds, rank_loader
+from keras_parallel.keras_compat import print_msg
+
+_END = "keras_parallel: end of the epoch"
+#: Parts remembered and not yet placed; older ones were never placed (an
+#: iteration Keras abandoned) and are forgotten.
+_KEPT_PARTS = 64
+
+
+class DividedInput:
+    """Divides the input of one model's runs between the JAX processes.
+
+    Args:
+        distribution: the `PlannedDistribution` the batches are laid out by.
+    """
+
+    def __init__(self, distribution):
+        self.distribution = distribution
+        self.processes = jax.process_count()
+        self.process = jax.process_index()
+        #: The kinds of input seen: `{"DataLoader": True, "tf.data": False}`
+        #: (whether each was divided).
+        self.kinds = {}
+        self._parts = collections.OrderedDict()  # id(leaf) -> (leaf, rows, start)
+        self._rank_loaders = {}  # id(loader) -> (loader, its rank loader)
+
+    def iterator(self, adapter, *args, previous, **kwargs):
+        """A data adapter's `get_jax_iterator`, divided where it can be.
+
+        Args:
+            adapter: Keras's data adapter.
+            *args: `get_jax_iterator`'s arguments (Keras 3.16's
+                `super_batch`: batches stacked for `steps_per_execution`,
+                which are read whole).
+            previous: Keras's `get_jax_iterator` of the adapter's class.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            An iterator of batches of NumPy arrays.
+        """
+        kind = kinds.input_kind(adapter)
+        source = None
+        if not any(args) and not any(kwargs.values()):
+            source = self._divided(adapter, kind, previous)
+        self._say(kind, source is not None)
+        if source is None:
+            return previous(adapter, *args, **kwargs)
+        return source
+
+    def part(self, leaf):
+        """`(global rows, first row)` of an array a rank loader yielded, or
+        None for any other array (a whole global batch)."""
+        entry = self._parts.pop(id(leaf), None)
+        if entry is None or entry[0] is not leaf:
+            return None
+        return entry[1:]
+
+    def place(self, leaf, rows, start):
+        """This process's rows `[start, ...)` of a global batch of `rows`
+        rows, laid out as the whole batch would be.
+
+        Args:
+            leaf: this process's rows (a NumPy array).
+            rows: the global batch's rows.
+            start: the global row of `leaf`'s first row.
+
+        Returns:
+            A `jax.Array` of the global batch's shape.
+        """
+        shape = (rows,) + tuple(leaf.shape[1:])
+        sharding = self.distribution.get_data_layout(shape).backend_layout
+
+        def rows_of_device(index):
+            first = index[0]
+            local = slice(
+                (first.start or 0) - start,
+                (rows if first.stop is None else first.stop) - start,
+            )
+            return leaf[(local,) + tuple(index[1:])]
+
+        return jax.make_array_from_callback(shape, sharding, rows_of_device)
+
+    def rows_of(self, rows):
+        """`(start, stop)`: the rows of a global batch of `rows` rows that
+        this process's devices hold (all of them where the data axis does
+        not divide the batch, which is placed whole)."""
+        sharding = self.distribution.get_data_layout((rows,)).backend_layout
+        ranges = sorted(
+            {
+                index[0].indices(rows)[:2]
+                for index in sharding.addressable_devices_indices_map((rows,)).values()
+            }
+        )
+        start, stop = ranges[0][0], ranges[-1][1]
+        covered = sum(b - a for a, b in ranges)
+        if covered != stop - start:  # Not one block of rows: load them all.
+            return 0, rows
+        return start, stop
+
+    def _say(self, kind, divided):
+        if kind in self.kinds:
+            return
+        self.kinds[kind] = divided
+        if self.process != 0:
+            return
+        if kind == "arrays":
+            line = (
+                f"Input: arrays, each of {self.processes} processes slices every "
+                "global batch from its own copy and places only its rows"
+            )
+        else:
+            how = "each process receiving every batch of a group of them"
+            line = kinds.input_line(kind, divided, self.processes, how=how)
+        print_msg(line)
+
+    def _divided(self, adapter, kind, previous):
+        if kind == "PyDataset" and kinds.shareable_pydataset(adapter):
+            return self._pydataset_batches(adapter)
+        if kind == "generator":
+            return self._generator_batches(adapter, previous)
+        loader = getattr(adapter, "_dataloader", None)
+        if kind == "DataLoader" and rank_loader.divisible(loader):
+            return self._loader_batches(loader)
+        return None
+
+    def _pydataset_batches(self, adapter):
+        dataset = adapter.py_dataset
+        order = kinds.epoch_order(adapter, dataset.num_batches)
+        for group in range(0, len(order), self.processes):
+            position = group + self.process
+            payload = b""
+            if position < len(order):
+                batch = adapter._standardize_batch(dataset[order[position]])
+                payload = _dumps(next(data_adapter_utils.get_numpy_iterator([batch])))
+            made = processes.allgather_bytes(payload)
+            for k in range(group, min(group + self.processes, len(order))):
+                yield pickle.loads(made[k - group])
+
+    def _generator_batches(self, adapter, previous):
+        drawn = iter(previous(adapter)) if self.process == 0 else None
+        while True:
+            payload = b""
+            if self.process == 0:
+                payload = _dumps(next(drawn, _END))
+            batch = pickle.loads(processes.broadcast_bytes(payload))
+            if isinstance(batch, str) and batch == _END:
+                return
+            yield batch
+
+    def _loader_batches(self, loader):
+        kept = self._rank_loaders.get(id(loader))
+        if kept is None or kept[0] is not loader:
+            kept = (loader, rank_loader.rank_loader(loader, self.rows_of))
+            self._rank_loaders[id(loader)] = kept
+        own = kept[1]
+        _share_torch_random_state(loader)
+        iterator = iter(own)
+        sizes = own.batch_sampler.sizes  # This iteration's.
+        for batch in iterator:
+            rows = sizes.popleft()
+            start, _ = self.rows_of(rows)
+            batch = tuple(
+                tree.map_structure(
+                    lambda x: np.asarray(x.cpu()), batch, none_is_leaf=False
+                )
+            )
+            for leaf in tree.flatten(batch):
+                self._parts[id(leaf)] = (leaf, rows, start)
+            while len(self._parts) > _KEPT_PARTS:
+                self._parts.popitem(last=False)
+            yield batch
+
+
+def _dumps(batch):
+    return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _share_torch_random_state(loader):
+    """Process 0's torch random state (or the loader's generator's) on every
+    process: a loader's shuffle draws from it, and the JAX processes share
+    only Python's and NumPy's (`Executor.share_host_random_state`)."""
+    import torch
+
+    generator = loader.generator
+    state = generator.get_state() if generator is not None else torch.get_rng_state()
+    shared = processes.broadcast_bytes(state.numpy().tobytes())
+    state = torch.frombuffer(bytearray(shared), dtype=torch.uint8)
+    if generator is not None:
+        generator.set_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def adapter_replacements(divided, adapter_classes):
+    """`{(adapter class, "get_jax_iterator"): replacement}`: each class's
+    iterator through `divided.iterator`.
+
+    Args:
+        divided: a `DividedInput`.
+        adapter_classes: Keras's data adapter classes.
+    """
+
+    def replacement(previous):
+        def get_jax_iterator(adapter, *args, **kwargs):
+            return divided.iterator(adapter, *args, previous=previous, **kwargs)
+
+        return get_jax_iterator
+
+    return {
+        (cls, "get_jax_iterator"): replacement(cls.get_jax_iterator)
+        for cls in adapter_classes
+    }

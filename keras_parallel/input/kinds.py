@@ -1,0 +1,97 @@
+"""What kind of input Keras reads, whether it can be divided, and the line
+the chief prints about it."""
+
+import random
+
+#: The input's kind, by the class name of Keras's data adapter.
+INPUT_KINDS = {
+    "ArrayDataAdapter": "arrays",
+    "TorchDataLoaderAdapter": "DataLoader",
+    "GeneratorDataAdapter": "generator",
+    "PyDatasetAdapter": "PyDataset",
+    "TFDatasetAdapter": "tf.data",
+    "GrainDatasetAdapter": "Grain",
+}
+
+
+def input_kind(adapter):
+    """The kind of input a Keras data adapter reads (`"PyDataset"`, ...)."""
+    name = type(adapter).__name__
+    return INPUT_KINDS.get(name, name)
+
+
+def input_line(kind, divided, processes, how=None):
+    """How an input is divided, as the line the chief prints when it first
+    reads one.
+
+    Args:
+        kind: the input's kind (`input_kind`).
+        divided: whether each process prepares only its share.
+        processes: the number of processes.
+        how: for a divided `PyDataset`, how its batches reach the
+            processes (each backend moves them its own way).
+
+    Returns:
+        A line, e.g. `"Input: DataLoader, each of 2 processes loads its rows
+        of every global batch"`.
+    """
+    if divided and kind == "PyDataset":
+        return (
+            f"Input: PyDataset, batches made round-robin by {processes} "
+            f"processes, {how or 'each process receiving its rows of every batch'}"
+        )
+    if divided and kind == "generator":
+        return (
+            f"Input: generator, drawn by process 0 alone, each of {processes} "
+            "processes receiving its rows"
+        )
+    if divided:
+        return (
+            f"Input: {kind}, each of {processes} processes loads its rows of "
+            "every global batch"
+        )
+    return (
+        f"Input: {kind}, read whole by each of {processes} processes, each "
+        "keeping its rows (a map-style DataLoader, a PyDataset of one worker "
+        "and a generator divide the work; see docs/multihost.md)"
+    )
+
+
+def made_in_order(dataset):
+    """Whether Keras makes a `PyDataset`'s batches one by one, in its order.
+
+    With several workers (or processes) Keras's enqueuer makes them: it
+    shuffles on a thread of its own and goes on from where an earlier
+    iteration stopped, an order no process could reproduce. Such a dataset
+    is read whole by every process, as one device reads it.
+    """
+    return (
+        dataset.num_batches is not None
+        and int(dataset.workers or 0) <= 1
+        and not dataset.use_multiprocessing
+    )
+
+
+def sharded_by_keras(adapter):
+    """Whether Keras 3.16 shards a `PyDataset`'s batches between processes
+    itself (`_num_data_shards`): each process then reads its own already."""
+    return int(getattr(adapter, "_num_data_shards", 1) or 1) > 1
+
+
+def shareable_pydataset(adapter):
+    """Whether the processes can make a `PyDataset`'s batches round-robin."""
+    return made_in_order(adapter.py_dataset) and not sharded_by_keras(adapter)
+
+
+def epoch_order(adapter, num_batches):
+    """The order of a `PyDataset`'s batches this epoch, as Keras's adapter
+    makes it: shuffled with Python's shared random state (Keras 3.15), or
+    seeded by the adapter's count of epochs (`_epoch`, Keras 3.16)."""
+    order = list(range(num_batches))
+    if adapter.shuffle:
+        epoch = getattr(adapter, "_epoch", None)
+        if isinstance(epoch, int):
+            random.Random(epoch).shuffle(order)
+        else:
+            random.shuffle(order)
+    return order

@@ -1,0 +1,33 @@
+"""What each JAX process runs in the divided-input tests.
+
+`python jax_divided_input_script.py OUT CASES` runs every case of
+`divided_input_workers` (CASES: a JSON list of its keyword arguments), each
+process with its own torch seed (a loader's shuffle must still be process
+0's), and pickles the results to `OUT/results<process>.pkl`;
+`... OUT fail` runs the pipeline that raises on process 1.
+"""
+
+import json
+import os
+import pickle
+import sys
+
+import divided_input_workers as workers
+
+
+def main(out, cases):
+    import jax
+
+    process = jax.process_index()
+    if cases == "fail":
+        workers.pipeline_fails_on_rank_1()
+        return
+    results = [
+        workers.run(**dict(case, torch_seed=process)) for case in json.loads(cases)
+    ]
+    with open(os.path.join(out, f"results{process}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

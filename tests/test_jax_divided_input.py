@@ -1,0 +1,153 @@
+"""Each JAX process prepares only its share of the input.
+
+2 processes x 4 simulated CPU devices (one 8-device mesh) fit, validate,
+evaluate and predict through arrays, a torch `DataLoader` over a map-style
+dataset (shuffled, each process seeding torch its own way), a `PyDataset`
+(shuffled) and a generator: the rows each process's pipeline prepared are
+about half of one device's, and the weights, History, evaluation and
+predictions equal one device's, the split proven by the batch's sharding
+inside the compiled step.
+"""
+
+import os
+import pickle
+import time
+
+import divided_input_workers as workers
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX processes (tox -e jax)"
+)
+
+from subprocesses import (  # noqa: E402
+    checkout_env,
+    jax_launch_command,
+    run_in_session,
+    running,
+)
+
+try:
+    import torch  # noqa: F401
+
+    HAS_TORCH = True
+except ImportError:
+    HAS_TORCH = False
+
+CASES = {
+    "arrays": dict(kind="arrays"),
+    "pydataset": dict(kind="pydataset"),
+    "generator": dict(kind="generator"),
+}
+if HAS_TORCH:
+    CASES["dataloader"] = dict(kind="dataloader")
+TIMEOUT_S = 300
+
+
+def launch(out, cases):
+    import json
+
+    command = jax_launch_command("jax_divided_input_script.py", out, cases)
+    if not isinstance(cases, str):
+        command[-1] = json.dumps(cases)
+    return run_in_session(command, checkout_env(KERAS_BACKEND="jax"), TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("divided")
+    names = list(CASES)
+    result = launch(out, [CASES[name] for name in names])
+    assert result.returncode == 0, result.stderr[-4000:]
+    per_process = []
+    for process in (0, 1):
+        with open(os.path.join(out, f"results{process}.pkl"), "rb") as f:
+            per_process.append(pickle.load(f))
+    results = {name: [p[i] for p in per_process] for i, name in enumerate(names)}
+    results["stdout"] = result.stdout
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {
+        name: workers.run(**dict(case, distributed=False))
+        for name, case in CASES.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_processes_train_as_one_device(two_processes, one_device, name):
+    reference = one_device[name]
+    for result in two_processes[name]:
+        workers.assert_trained_as_one_device(result, reference)
+        # The split: inside each compiled step a device holds an eighth of
+        # the global batch (8 of 64; 6 of 43, padded; 6 of 45).
+        assert (64, 8) in result["split"], result["split"]
+        for rows, device_rows in result["split"]:
+            assert device_rows == -(-rows // 8), result["split"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_process_divides_its_input(two_processes, name):
+    kinds = {
+        "arrays": "arrays",
+        "dataloader": "DataLoader",
+        "pydataset": "PyDataset",
+        "generator": "generator",
+    }
+    kind = kinds[CASES[name]["kind"]]
+    for result in two_processes[name]:
+        # Arrays are sliced from each process's copy, each placing its rows.
+        assert result["divided"][kind] is (kind != "arrays"), result["divided"]
+
+
+def test_the_first_fit_says_how_its_input_is_divided(two_processes):
+    out = two_processes["stdout"]
+    assert "Input: PyDataset, batches made round-robin by 2 processes" in out
+    assert "Input: generator, drawn by process 0 alone" in out
+    assert "Input: arrays, each of 2 processes slices every global batch" in out
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="a torch DataLoader needs torch")
+def test_each_process_loads_the_rows_its_devices_hold(two_processes, one_device):
+    alone = one_device["dataloader"]["loaded"]
+    # 2 epochs of 1003 rows and their validation (301 rows each), and the
+    # batch Keras draws first to build the loss and metrics.
+    batches = [64] * 15 + [43] + [64] * 4 + [45]
+    assert alone == 2 * sum(batches) + 64
+    # Its 4 devices' half of a batch the 8 devices divide; a batch they do
+    # not divide (43, 45 rows) is placed whole, so loaded whole; and the
+    # first batch, drawn before the callback's run starts.
+    share = sum(b // 2 if b % 8 == 0 else b for b in batches)
+    for result in two_processes["dataloader"]:
+        assert result["loaded"] == 2 * share + 64
+        assert result["loaded"] <= alone / 2 + 2 * 64
+
+
+def test_each_process_makes_half_a_pydatasets_batches(two_processes, one_device):
+    alone = one_device["pydataset"]["loaded"]
+    assert alone == 64 + 2 * 1003  # The first batch, then 2 epochs.
+    made = [r["loaded"] for r in two_processes["pydataset"]]
+    for process_made in made:
+        assert process_made <= 64 + 1003 + 64, made
+    assert sum(made) == 2 * 64 + 2 * 1003  # Each batch made once.
+
+
+def test_one_process_draws_the_generator(two_processes, one_device):
+    alone = one_device["generator"]["loaded"]
+    assert alone == 2 * 1003
+    drawn = [r["loaded"] for r in two_processes["generator"]]
+    # Process 1 draws only the 2 batches Keras peeks when fit starts.
+    assert drawn == [alone, 2 * 64], drawn
+
+
+def test_a_process_whose_pipeline_raises_is_the_one_reported(tmp_path):
+    start = time.monotonic()
+    result = launch(tmp_path, "fail")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "batch 1 could not be decoded" in result.stderr
+    assert "process 1 failed with exit code 1" in result.stderr
+    assert time.monotonic() - start < 120
+    assert running(str(tmp_path)) == []
