@@ -12,9 +12,14 @@ processes divide is at most 0.6 (docs/benchmarks.md). A compute-bound
 model (no per-row work, a wider model) shows what division costs where
 the input is cheap.
 
+On JAX the processes are `keras-parallel launch --backend jax` processes
+of one CPU device each (this file, run as `--worker`), against one such
+process.
+
 Usage:
 
     KERAS_BACKEND=torch python benchmarks/bench_input_processes.py [--rounds 3]
+    KERAS_BACKEND=jax python benchmarks/bench_input_processes.py [--rounds 3]
 """
 
 import argparse
@@ -102,9 +107,13 @@ def epoch_seconds(kind, row_ms, width):
 
     import keras_parallel
 
-    # The launcher's variables: the group itself starts with the first
-    # distribution.
+    # The launcher's variables (torch: the group itself starts with the
+    # first distribution; JAX: the bootstrap joined the processes).
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if keras.backend.backend() == "jax":
+        import jax
+
+        world = jax.process_count()
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
     hidden = keras.layers.Dense(width, activation="relu")(inputs)
@@ -132,10 +141,42 @@ def epoch_seconds(kind, row_ms, width):
 
 
 def measure(kind, processes, row_ms, width):
-    from keras_parallel.launcher.torch_processes import launch
+    if os.environ["KERAS_BACKEND"] == "jax":
+        results = _jax_processes(kind, processes, row_ms, width)
+    else:
+        from keras_parallel.launcher.torch_processes import launch
 
-    results = launch(epoch_seconds, processes, args=(kind, row_ms, width), timeout=600)
+        results = launch(
+            epoch_seconds, processes, args=(kind, row_ms, width), timeout=600
+        )
     return max(r["seconds"] for r in results), [r["rows_per_epoch"] for r in results]
+
+
+def _jax_processes(kind, processes, row_ms, width):
+    """`keras-parallel launch` of this file as `--worker` on JAX processes."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
+        command += ["--backend", "jax", "--nproc-per-node", str(processes)]
+        command += ["--devices-per-process", "1", os.path.abspath(__file__)]
+        command += ["--worker", kind, str(row_ms), str(width), out]
+        subprocess.run(command, check=True, timeout=600, stdout=subprocess.DEVNULL)
+        results = []
+        for name in sorted(os.listdir(out)):
+            with open(os.path.join(out, name)) as f:
+                results.append(json.load(f))
+        return results
+
+
+def _worker(kind, row_ms, width, out):
+    import jax
+
+    result = epoch_seconds(kind, float(row_ms), int(width))
+    with open(os.path.join(out, f"process{jax.process_index()}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def main():
@@ -143,7 +184,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--row-ms", type=float, default=1.0)
     parser.add_argument("--only", default="", help="kinds, comma-separated")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return _worker(*args.worker)
     cases = [
         ("DataLoader", "input-bound", args.row_ms, 16),
         ("PyDataset", "input-bound", args.row_ms, 16),

@@ -2,14 +2,15 @@
 
 The versions of Python, keras_parallel, Keras and every backend library
 installed (read from the package metadata, so nothing is imported that the
-report does not need), the backend Keras would use, the cluster environment
+report does not need), each said to be in the tested range or not
+(`tested_versions`), the backend Keras would use, the cluster environment
 detected (`cluster_environments`), and the devices it sees.
 """
 
 import importlib.metadata
 import platform
 
-from keras_parallel import cluster_environments, keras_config
+from keras_parallel import cluster_environments, keras_config, tested_versions
 
 _PACKAGES = (
     "keras",
@@ -61,7 +62,8 @@ def report():
     for name in _PACKAGES:
         version = _version(name)
         if version is not None:
-            lines.append(f"{name}: {version}")
+            tested = tested_versions.tested_range(name, version)
+            lines.append(f"{name}: {version}" + (f" ({tested})" if tested else ""))
     # Read as Keras reads it, before `_devices` imports Keras: the backend a
     # script gets, and where that comes from (KERAS_BACKEND, keras.json).
     backend, source = keras_config.configured_backend()

@@ -94,6 +94,14 @@ ON_BATCH_NO_CALLBACKS = (
     "`*_on_batch` calls no callback, so only the `compile(distribution=...)` "
     "door can distribute it"
 )
+#: Why a case that tests a step runs through the compile door alone: the
+#: `ShardingCallback` door differs only in how a run starts and ends
+#: (tested through both doors by every other row), and runs the same steps.
+STEP_ONLY = (
+    "tested through the compile door; through `ShardingCallback` the same "
+    "steps run, and how a run starts and ends is tested by the rows without "
+    "this note"
+)
 
 
 # ---------------------------------------------------------------- models
@@ -768,6 +776,8 @@ class Case:
             `keras_parallel.DataParallel()` or a mesh given its devices.
         doors: the doors it runs through.
         door_note: why a door is left out.
+        step_only: the case tests what a step computes, which both doors
+            share: it runs through the compile door alone (`STEP_ONLY`).
         limits: `{column id: Limit}` where it does not run.
         uneven_whole: `{column id: reason}` where a batch the devices do
             not divide (the epoch's last) is computed whole on every device
@@ -789,6 +799,7 @@ class Case:
     keras_defaults: bool = False
     doors: tuple = DOORS
     door_note: str = ""
+    step_only: bool = False
     limits: dict = dataclasses.field(default_factory=dict)
     uneven_whole: dict = dataclasses.field(default_factory=dict)
     rtol: float = 1e-5
@@ -833,15 +844,26 @@ CASES = {
             dtype_policy="mixed_bfloat16",
             rtol=5e-2,
             why_rtol=LOW_PRECISION,
+            step_only=True,
         ),
         Case(
             "gradient_accumulation",
             "`gradient_accumulation_steps=2`",
             compile=mse(gradient_accumulation_steps=2),
         ),
-        Case("ema", "`use_ema=True`", compile=mse(use_ema=True, ema_momentum=0.5)),
-        Case("clipnorm", "`clipnorm`", compile=mse(clipnorm=0.1)),
-        Case("global_clipnorm", "`global_clipnorm`", compile=mse(global_clipnorm=0.1)),
+        Case(
+            "ema",
+            "`use_ema=True`",
+            compile=mse(use_ema=True, ema_momentum=0.5),
+            step_only=True,
+        ),
+        Case("clipnorm", "`clipnorm`", compile=mse(clipnorm=0.1), step_only=True),
+        Case(
+            "global_clipnorm",
+            "`global_clipnorm`",
+            compile=mse(global_clipnorm=0.1),
+            step_only=True,
+        ),
         Case(
             "custom_train_step",
             'a custom `train_step` (the Keras guide "Customizing what happens '
@@ -854,12 +876,14 @@ CASES = {
             build=dict_model,
             compile=dict_losses,
             data=dict_data,
+            step_only=True,
         ),
         Case(
             "sample_weight",
             "`sample_weight`, `weighted_metrics`",
             compile=weighted_mse,
             data=with_sample_weight,
+            step_only=True,
         ),
         Case(
             "class_weight",
@@ -867,6 +891,7 @@ CASES = {
             build=classifier,
             compile=sparse_categorical,
             data=with_class_weight,
+            step_only=True,
         ),
         Case(
             "validation_data",
@@ -904,6 +929,7 @@ CASES = {
             build=binary,
             compile=auc_precision,
             data=binary_labels,
+            step_only=True,
         ),
         Case("pydataset", "a `keras.utils.PyDataset`", data=as_pydataset),
         Case("generator", "a Python generator", data=as_generator),
@@ -913,18 +939,26 @@ CASES = {
             "BatchNormalization (the global batch's statistics)",
             build=batchnorm,
             limits={"torch-data": TORCH_LOCAL_BATCHNORM},
+            step_only=True,
         ),
         Case(
             "regularizers",
             "kernel and bias regularizers",
             build=regularized,
+            step_only=True,
         ),
         Case(
             "add_loss",
             "`add_loss` in a layer, an activity regularizer",
             build=added_losses,
+            step_only=True,
         ),
-        Case("lr_schedule", "a learning-rate schedule", compile=lr_schedule),
+        Case(
+            "lr_schedule",
+            "a learning-rate schedule",
+            compile=lr_schedule,
+            step_only=True,
+        ),
         Case(
             "plateau_early_stopping",
             "`ReduceLROnPlateau`, `EarlyStopping`",
@@ -950,6 +984,7 @@ CASES = {
             build=lstm_embedding,
             compile=logits_categorical,
             data=sequences,
+            step_only=True,
         ),
         Case("sequential", "a `keras.Sequential`", build=sequential),
         Case("subclassed", "a subclassed model, unbuilt until `fit`", build=subclassed),
@@ -1170,6 +1205,8 @@ def cell(case, column):
     limit = case.limit(column)
     if limit is not None:
         return "no", limit.reason
+    if case.step_only:
+        return "yes", STEP_ONLY
     if case.doors != DOORS:
         return "compile door", case.door_note
     if column in case.uneven_whole:

@@ -56,6 +56,11 @@ def test_env_names_keras_backend_and_devices():
     )
     assert f"backend: {BACKEND} (from KERAS_BACKEND)" in result.stdout
     assert "devices: " in result.stdout
+    # The matrix's own releases, said to be in the tested range.
+    assert any(
+        line.startswith(("keras: ", "keras-nightly: ")) and line.endswith("(tested)")
+        for line in result.stdout.splitlines()
+    ), result.stdout
 
 
 def test_env_names_the_backend_keras_json_chooses(tmp_path):

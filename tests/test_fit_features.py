@@ -56,6 +56,8 @@ def _skip_reason(case, column, door):
         return limit.reason
     if door not in case.doors:
         return case.door_note
+    if door == "callback" and case.step_only:
+        return fit_features.STEP_ONLY
     return None
 
 

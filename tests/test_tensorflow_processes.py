@@ -182,6 +182,9 @@ def test_worker_0_alone_prints_and_writes_files(launched):
     assert written == sorted(f"{case}_{name}" for case in CASES for name in names)
     # One progress line per fit (verbose=2 prints one per epoch).
     assert stdout.count("1/1 - ") == 1 and stdout.count("16/16 - ") == 1, stdout
+    # The workers do not divide the input yet, and worker 0 says so, once.
+    line = "Input: arrays, read whole by each of 2 processes, each keeping its rows"
+    assert stdout.count(line) == 1, stdout
 
 
 def test_tensorflow_start_up_info_lines_are_quiet(launched):

@@ -3,6 +3,7 @@
 import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
+from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import tree
 from keras_parallel.backends.tensorflow.strategies import ExactRun
 from keras_parallel.building import build_from_inputs, is_built
@@ -72,6 +73,7 @@ def late_distribution(model):
     """
 
     def _get_iterator(self):
+        tf_workers.say_input(getattr(self, "data_adapter", None))
         dataset = self._distributed_dataset
         strategy = tf.distribute.get_strategy()
         if not isinstance(strategy, ExactRun):

@@ -37,6 +37,8 @@ from keras_parallel import cluster_environments
 from keras_parallel.backends.tensorflow import DEVICES_ENV, strategies
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.cluster_environments import join_deadline, tf_config
+from keras_parallel.input import kinds
+from keras_parallel.keras_compat import print_msg
 from keras_parallel.replacements import replaced
 
 _strategy = None
@@ -300,3 +302,21 @@ def numpy_shuffles(adapter_class):
 
     with replaced({(adapter_class, "get_tf_dataset"): get_tf_dataset}):
         yield
+
+
+_INPUTS_SAID = set()
+
+
+def say_input(adapter):
+    """Worker 0 says, once per kind of input, that every worker reads it
+    whole (each keeping its rows of every global batch): on TensorFlow the
+    workers do not divide the input yet (docs/multihost.md)."""
+    strategy = _strategy
+    if strategy is None or adapter is None:
+        return
+    kind = kinds.input_kind(adapter)
+    if kind in _INPUTS_SAID or strategy.num_workers <= 1:
+        return
+    _INPUTS_SAID.add(kind)
+    if strategy.worker_index == 0:
+        print_msg(kinds.input_line(kind, False, strategy.num_workers))

@@ -1,15 +1,20 @@
-"""Convolution kernels split over the batch axis, gathered where they are read.
+"""Convolutions on DTensors: what DTensor's own rules get wrong.
 
-Under `shard="full"` on torch a large variable is a DTensor split over the
-batch axis, and DTensor's own rules decide how each op reads it. Those of a
-matmul, an einsum or an embedding read a split weight (each chooses between
-gathering it and splitting its output, whichever moves less); its
-convolution rule does not (see `gathered_for_use`).
+- Under `shard="full"` on torch a large variable is a DTensor split over
+  the batch axis, and DTensor's own rules decide how each op reads it.
+  Those of a matmul, an einsum or an embedding read a split weight (each
+  chooses between gathering it and splitting its output, whichever moves
+  less); its convolution rule does not (see `gathered_for_use`).
+- On a mesh of several dimensions, torch 2.14 cannot take the backward
+  pass of a convolution (`LocalConvolutions`).
 """
 
 import contextlib
+import functools
 
-from torch.distributed.tensor import DTensor, Replicate, Shard
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.overrides import TorchFunctionMode
 
 #: The Keras layers whose op reads a kernel through DTensor's convolution
 #: rule (`gathered_for_use`).
@@ -84,3 +89,123 @@ def gathered_for_use(variables, batch_dim):
     finally:
         for variable, value in reversed(swapped):
             variable._value = value
+
+
+#: The convolutions Keras's torch backend calls: `(input, weight, bias, ...)`.
+_CONVOLUTION_OPS = frozenset(
+    (
+        torch.nn.functional.conv1d,
+        torch.nn.functional.conv2d,
+        torch.nn.functional.conv3d,
+        torch.nn.functional.conv_transpose1d,
+        torch.nn.functional.conv_transpose2d,
+        torch.nn.functional.conv_transpose3d,
+    )
+)
+
+
+class LocalConvolutions(TorchFunctionMode):
+    """While active, a convolution of DTensors is computed on local tensors.
+
+    torch 2.14's sharding strategy of `aten.convolution_backward` on a mesh
+    of two or more dimensions gives an output the step does not ask for (a
+    missing bias's gradient, the gradient of the data fed to the first
+    convolution) a placement on one mesh dimension and none on another, and
+    refuses it ("strategy position 2 mixes None with placements across mesh
+    dims: (None, Partial(sum))"): no convolution could train under
+    `ModelParallel`. A convolution needs no rule of DTensor's: its kernel
+    and bias whole (gathered), its input split along the batch at most
+    (other splits and partial sums made whole), it is each process's own
+    convolution of its rows (`_LocalConvolution`). torch 2.13 computes the
+    same, by the same collectives.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CONVOLUTION_OPS and len(args) >= 2 and isinstance(args[1], DTensor):
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rest = args[3:]
+            options = {k: v for k, v in kwargs.items() if k != "bias"}
+            compute = functools.partial(_call, func, rest, options)
+            return _LocalConvolution.apply(compute, args[0], args[1], bias)
+        return func(*args, **kwargs)
+
+
+def _call(func, rest, options, x, weight, bias):
+    return func(x, weight, bias, *rest, **options)
+
+
+class _LocalConvolution(torch.autograd.Function):
+    """A convolution of DTensors as each process's local convolution.
+
+    Forward: the kernel and bias whole on every process, the input split
+    along the batch (dimension 0) where it was, whole elsewhere; the
+    output is laid out as that input. Backward: the local gradients of a
+    local graph; the input's goes back to the input's placements, the
+    kernel's and bias's (partial sums over the batch's shards) to theirs.
+    """
+
+    @staticmethod
+    def forward(ctx, compute, x, weight, bias):
+        mesh = weight.device_mesh
+        placements = _batch_only(x.placements) if isinstance(x, DTensor) else None
+        whole = (Replicate(),) * mesh.ndim
+        inputs = [
+            (x, placements if placements is not None else None),
+            (weight, whole),
+            (bias, whole),
+        ]
+        locals_ = []
+        for value, wanted in inputs:
+            if isinstance(value, DTensor):
+                value = value.redistribute(mesh, wanted).to_local()
+            if isinstance(value, torch.Tensor):
+                value = value.detach().requires_grad_(
+                    ctx.needs_input_grad[len(locals_) + 1]
+                )
+            locals_.append(value)
+        with torch.enable_grad():
+            output = compute(*locals_)
+        # The local graph, whose gradients `backward` takes.
+        ctx.output, ctx.locals = output, locals_
+        ctx.layout = (mesh, placements or whole)
+        ctx.originals = [
+            (v.device_mesh, tuple(v.placements)) if isinstance(v, DTensor) else None
+            for v in (x, weight, bias)
+        ]
+        mesh, placements = ctx.layout
+        return DTensor.from_local(output.detach(), mesh, placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh, placements = ctx.layout
+        output, locals_ = ctx.output, ctx.locals
+        ctx.output = ctx.locals = None
+        if isinstance(grad, DTensor):
+            grad = grad.redistribute(mesh, placements).to_local()
+        wanted = [t for t in locals_ if t is not None and t.requires_grad]
+        found = torch.autograd.grad(output, wanted, grad, allow_unused=True)
+        found = dict(zip(map(id, wanted), found, strict=True))
+        # The kernel's and bias's gradients are partial sums over the
+        # mesh dimensions that split the batch.
+        summed = tuple(Partial() if p.is_shard(0) else Replicate() for p in placements)
+        grads = []
+        for index, local in enumerate(locals_):
+            value = found.get(id(local)) if local is not None else None
+            original = ctx.originals[index]
+            if value is not None and original is not None:
+                layout = placements if index == 0 else summed
+                value = DTensor.from_local(value, mesh, layout, run_check=False)
+                # A partial sum's gradient is its sum's, on every process.
+                target = tuple(
+                    Replicate() if p.is_partial() else p for p in original[1]
+                )
+                value = value.redistribute(original[0], target)
+            grads.append(value)
+        return (None, *grads)
+
+
+def _batch_only(placements):
+    """`placements` split along dimension 0 at most: other splits and
+    partial sums made whole."""
+    return tuple(p if p.is_shard(0) else Replicate() for p in placements)

@@ -47,6 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch.convolution_kernels import (
+    LocalConvolutions,
     convolution_variables,
     gathered_for_use,
 )
@@ -214,7 +215,11 @@ class MeshSteps(RankSteps):
 
         args, kwargs = tree.map_structure(enter, (args, kwargs))
         convolutions = self._convolution_variables
-        with FinishedSums(), gathered_for_use(convolutions, self.batch_dim):
+        with (
+            FinishedSums(),
+            LocalConvolutions(),
+            gathered_for_use(convolutions, self.batch_dim),
+        ):
             outputs = self._own_call(*args, **kwargs)
         outputs = tree.map_structure(leave, outputs)
         whole_added_losses(self.model)
