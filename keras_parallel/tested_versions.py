@@ -1,7 +1,8 @@
 """The releases the test matrix runs on: the oldest and the newest of each.
 
-`constraints-oldest.txt` pins the oldest (the `-oldest` tox envs) and
-`constraints.txt` the newest (the default and nightly envs); the test
+`constraints-oldest.txt` pins the oldest (the `-oldest` tox envs),
+`constraints.txt` the newest (the default and nightly envs) and
+`constraints-newest.txt` the newest torch (the opt-in `torch-newest` env); the test
 `tests/test_tested_versions.py` keeps this table equal to them. The package
 files are not installed with keras_parallel, so `keras-parallel env` reads
 the table here.
@@ -14,7 +15,7 @@ TESTED = {
     "keras-nightly": ("3.16.0.dev2026102704", "3.16.0.dev2026102704"),
     "jax": ("0.7.0", "0.10.2"),
     "jaxlib": ("0.7.0", "0.10.2"),
-    "torch": ("2.13.0", "2.13.0"),
+    "torch": ("2.13.0", "2.14.1"),
     "tensorflow-cpu": ("2.20.0", "2.21.0"),
     "tensorflow": ("2.20.0", "2.21.0"),
     "numpy": ("2.1.3", "2.4.6"),

@@ -21,6 +21,12 @@ def _pins(name):
 
 def test_the_table_is_the_matrix_pins():
     oldest, newest = _pins("constraints-oldest.txt"), _pins("constraints.txt")
+    # The opt-in newest torch: the default pins with another torch.
+    newest_torch = _pins("constraints-newest.txt")
+    assert {k: v for k, v in newest_torch.items() if k != "torch"} == {
+        k: v for k, v in newest.items() if k != "torch"
+    }
+    newest["torch"] = newest_torch["torch"]
     for name, (low, high) in tested_versions.TESTED.items():
         if name in ("tensorflow", "jaxlib"):  # Pinned as tensorflow-cpu, jax.
             base = {"tensorflow": "tensorflow-cpu", "jaxlib": "jax"}[name]
@@ -34,6 +40,9 @@ def test_the_table_is_the_matrix_pins():
 
 def test_versions_are_placed_in_the_range():
     assert tested_versions.tested_range("torch", "2.13.0+cpu") == "tested"
+    assert tested_versions.tested_range("torch", "2.15.0") == (
+        "newer than tested (2.13.0 to 2.14.1)"
+    )
     assert tested_versions.tested_range("jax", "0.8.1") == "tested"
     assert tested_versions.tested_range("jax", "0.6.2") == (
         "older than tested (0.7.0 to 0.10.2)"
