@@ -29,6 +29,8 @@ LAYERS = (
         "chief",
         "keras_config",
         "cluster_environments",
+        "input",
+        "tested_versions",
     ),
     # One executor per backend, and the contract they share; the join of a
     # cluster's processes, which starts a backend's runtime.
