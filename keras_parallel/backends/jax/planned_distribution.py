@@ -1,0 +1,78 @@
+"""The distribution Keras's JAX trainer asks while a planned entry point runs."""
+
+import jax
+from keras.distribution import TensorLayout
+
+from keras_parallel.backends.jax import processes
+from keras_parallel.keras_compat import Distribution
+
+
+class PlannedDistribution(Distribution):
+    """A `keras.distribution.Distribution` that answers from a `ShardingPlan`.
+
+    It differs from the user's distribution in two ways that make `fit` equal
+    one-device training:
+
+    - A batch whose size the data axis does not divide (`batch_size=100`
+      over 8 devices, or the last batch of an epoch) is placed whole on
+      every device rather than refused or padded, and split inside the
+      step (`batches.jit_splitting_batches`): every sample counts once, and
+      BatchNorm sees the true batch.
+    - Output keys resolve by path suffix (`d2/output` for `net/block/d2`).
+
+    Args:
+        distribution: the user's distribution (mesh, batch axis).
+        plan: the `ShardingPlan` resolved for the model.
+    """
+
+    def __init__(self, distribution, plan):
+        # Across processes every process reads the whole data set and feeds
+        # its own rows of each global batch (`batches.distribute_batch`): Keras must
+        # not shard the data itself (it would refuse NumPy arrays).
+        super().__init__(
+            distribution.device_mesh,
+            plan.batch_axis,
+            getattr(distribution, "auto_shard_dataset", True)
+            and not processes.is_multi_process(),
+        )
+        self.plan = plan
+        self._output_layouts = {}
+
+    @property
+    def num_model_replicas(self):
+        return self.plan.data_parallel_size
+
+    def get_data_layout(self, data_shape):
+        axes = [None] * len(data_shape)
+        if data_shape and data_shape[0] % self.plan.data_parallel_size == 0:
+            axes[0] = self.plan.batch_axis
+        return TensorLayout(axes, self.device_mesh)
+
+    def batch_sharding(self):
+        """The sharding that splits a batch's rows over the data axis.
+
+        Returns:
+            A `jax.sharding.NamedSharding`, or `None` where the data axis
+            has one device (nothing to split).
+        """
+        if self.plan.data_parallel_size == 1:
+            return None
+        return jax.sharding.NamedSharding(
+            self.device_mesh.backend_mesh,
+            jax.sharding.PartitionSpec(self.plan.batch_axis),
+        )
+
+    def get_variable_layout(self, variable):
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        # A variable created while running (a lazily built optimizer or
+        # metric) starts replicated; the next plan moves it if a key says so.
+        return TensorLayout([None] * len(variable.shape), self.device_mesh)
+
+    def get_tensor_layout(self, path):
+        if path not in self._output_layouts:
+            axes = self.plan.output_axes(path)
+            self._output_layouts[path] = (
+                None if axes is None else TensorLayout(axes, self.device_mesh)
+            )
+        return self._output_layouts[path]
