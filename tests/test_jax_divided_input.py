@@ -48,7 +48,7 @@ TIMEOUT_S = 300
 def launch(out, cases):
     import json
 
-    command = jax_launch_command("jax_divided_input_script.py", out, cases)
+    command = jax_launch_command("divided_input_script.py", out, cases)
     if not isinstance(cases, str):
         command[-1] = json.dumps(cases)
     return run_in_session(command, checkout_env(KERAS_BACKEND="jax"), TIMEOUT_S)
@@ -147,7 +147,7 @@ def test_a_process_whose_pipeline_raises_is_the_one_reported(tmp_path):
     start = time.monotonic()
     result = launch(tmp_path, "fail")
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "batch 1 could not be decoded" in result.stderr
+    assert "batch 3 could not be decoded" in result.stderr
     assert "process 1 failed with exit code 1" in result.stderr
     assert time.monotonic() - start < 120
     assert running(str(tmp_path)) == []

@@ -67,8 +67,11 @@ def _row_count():
             self.rows.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], "float32"))
 
         def result(self):
-            # A tensor, not the variable (JAX cannot trace a variable).
-            return keras.ops.convert_to_tensor(self.rows)
+            # A new tensor, not the variable: JAX cannot trace a variable,
+            # and TensorFlow's `convert_to_tensor` returns the variable
+            # itself, which History would read after validation reset it
+            # (one device), or one worker's part of (several workers).
+            return self.rows + 0.0
 
     return RowCount()
 

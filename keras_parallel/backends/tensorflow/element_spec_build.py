@@ -4,7 +4,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
 from keras_parallel.backends.tensorflow import workers as tf_workers
-from keras_parallel.backends.tensorflow.keras_compat import tree
+from keras_parallel.backends.tensorflow.keras_compat import DATA_ADAPTERS, tree
 from keras_parallel.backends.tensorflow.strategies import ExactRun
 from keras_parallel.building import build_from_inputs, is_built
 
@@ -73,12 +73,16 @@ def late_distribution(model):
     """
 
     def _get_iterator(self):
-        tf_workers.say_input(getattr(self, "data_adapter", None))
+        adapter = getattr(self, "data_adapter", None)
         dataset = self._distributed_dataset
         strategy = tf.distribute.get_strategy()
         if not isinstance(strategy, ExactRun):
             return dataset
         if not isinstance(dataset, tf.distribute.DistributedDataset):
+            if tf_workers.strategy() is not None and isinstance(adapter, DATA_ADAPTERS):
+                # Made before the scope: made again, divided between the
+                # workers (`divided_input`; nothing was drawn from it).
+                dataset = adapter.get_tf_dataset()
             dataset = strategy.experimental_distribute_dataset(dataset)
             self._distributed_dataset = dataset
             _build_from_element_spec(model, strategy, dataset)
@@ -86,6 +90,7 @@ def late_distribution(model):
             # `predict` of an unbuilt model: Keras would build it inside the
             # traced replica step, where no variable can be made.
             _build_from_element_spec(model, strategy, dataset)
+        tf_workers.say_input(adapter)  # Once per kind; a divided one said so.
         return dataset
 
     return _get_iterator

@@ -43,10 +43,18 @@ from keras_parallel.backends.tensorflow import (
 from keras_parallel.backends.tensorflow import exact as tf_exact
 from keras_parallel.backends.tensorflow import variables as tf_variables
 from keras_parallel.backends.tensorflow import workers as tf_workers
-from keras_parallel.backends.tensorflow.keras_compat import ArrayDataAdapter
+from keras_parallel.backends.tensorflow.divided_input import (
+    DividedInput,
+    adapter_replacements,
+)
+from keras_parallel.backends.tensorflow.keras_compat import (
+    DATA_ADAPTERS,
+    ArrayDataAdapter,
+)
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
 from keras_parallel.instance_methods import replace_methods
+from keras_parallel.replacements import replaced
 
 
 class TensorFlowExecutor(Executor):
@@ -73,6 +81,9 @@ class TensorFlowExecutor(Executor):
         self._applied = False
         self._undo_saving = None
         self._undo_build = None
+        #: Across workers, how each worker prepares only its share of the
+        #: input (`divided_input`); None in one process.
+        self.divided_input = None
 
     # ----------------------------------------------------------- devices
     @classmethod
@@ -212,11 +223,17 @@ class TensorFlowExecutor(Executor):
             yield
             return
         self.share_host_random_state()
+        if self.divided_input is None:
+            store = tf_workers.CoordinationStore()
+            self.divided_input = DividedInput(workers, store)
         chief_only = None if self.is_chief else ChiefOnlyCallbacks()
         if chief_only is not None:
             chief_only.install()
         try:
-            with tf_workers.numpy_shuffles(ArrayDataAdapter):
+            with (
+                tf_workers.numpy_shuffles(ArrayDataAdapter),
+                replaced(adapter_replacements(self.divided_input, DATA_ADAPTERS)),
+            ):
                 yield
         finally:
             if chief_only is not None:

@@ -46,6 +46,28 @@ ArrayDataAdapter = internal(
 ).ArrayDataAdapter
 #: Keras's nested-structure utilities (flatten / map_structure).
 tree = internal("keras.src.tree", "flatten", "map_structure")
+
+#: The data adapters whose `get_tf_dataset` is replaced, in scope across
+#: workers, to divide the input (`divided_input`): a `PyDataset`'s batches
+#: made as Keras's adapter makes them (`_standardize_batch`, `py_dataset`,
+#: `shuffle`), a torch loader read from `_dataloader`, a generator through
+#: `get_numpy_iterator`; the element spec Keras computed
+#: (`_output_signature`); NumPy conversion as Keras's.
+_adapters = "keras.src.trainers.data_adapters"
+_ADAPTER_CLASSES = (
+    ("generator_data_adapter", "GeneratorDataAdapter"),
+    ("py_dataset_adapter", "PyDatasetAdapter"),
+    ("torch_data_loader_adapter", "TorchDataLoaderAdapter"),
+)
+DATA_ADAPTERS = tuple(
+    getattr(internal(f"{_adapters}.{module}", f"{name}.get_tf_dataset"), name)
+    for module, name in _ADAPTER_CLASSES
+)
+internal(f"{_adapters}.py_dataset_adapter", "PyDatasetAdapter._standardize_batch")
+internal(
+    f"{_adapters}.generator_data_adapter", "GeneratorDataAdapter.get_numpy_iterator"
+)
+data_adapter_utils = internal(f"{_adapters}.data_adapter_utils", "get_numpy_iterator")
 #: The layer whose batch statistics `exact.synchronized_batchnorm` makes global.
 BatchNormalization = internal(
     "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
@@ -160,6 +182,15 @@ REPLACED = (
         "get_tf_dataset",
         "across workers, the epoch's shuffle drawn from NumPy "
         "(`workers.numpy_shuffles`)",
+    ),
+    *(
+        Target(
+            f"keras.src.trainers.data_adapters.{module}.{name}",
+            "get_tf_dataset",
+            "across workers, each worker prepares only its rows of each "
+            "global batch (`divided_input`)",
+        )
+        for module, name in _ADAPTER_CLASSES
     ),
     Target(
         "tensorflow.random",

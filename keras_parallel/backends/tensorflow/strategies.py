@@ -7,6 +7,10 @@ import tensorflow as tf
 
 from keras_parallel.backends.tensorflow.keras_compat import tree
 
+#: Set on a data set whose elements are this worker's replicas' pieces
+#: (`divided_input`), in replica order.
+PER_REPLICA = "_keras_parallel_per_replica"
+
 _replica = threading.local()
 _key_bases = itertools.count(start=100_000, step=100_000)
 
@@ -65,6 +69,11 @@ class ExactRun:
         copy of each global batch gives the slices memory TensorFlow owns
         and no one else reads.
         """
+        if getattr(dataset, PER_REPLICA, False):
+            # Each worker's own rows, cut into its replicas' pieces
+            # (`divided_input`): one input pipeline per worker.
+            copied = _copying(dataset)
+            return self.distribute_datasets_from_function(lambda _: copied)
         return super().experimental_distribute_dataset(
             _copying(dataset), options=options
         )

@@ -270,6 +270,13 @@ class CoordinationStore:
         except (tf.errors.DeadlineExceededError, tf.errors.NotFoundError):
             return None
 
+    def delete(self, key):
+        """Forgets `key` (read once: the store keeps what it is not told to
+        forget)."""
+        from tensorflow.python.eager import context
+
+        context.context().delete_config_key_value(key)
+
 
 def _numpy_shuffle(value, seed=None, name=None):
     """`tf.random.shuffle` drawn from NumPy's global state (see `numpy_shuffles`)."""
@@ -307,10 +314,15 @@ def numpy_shuffles(adapter_class):
 _INPUTS_SAID = set()
 
 
-def say_input(adapter):
-    """Worker 0 says, once per kind of input, that every worker reads it
-    whole (each keeping its rows of every global batch): on TensorFlow the
-    workers do not divide the input yet (docs/multihost.md)."""
+def say_input(adapter, divided=False):
+    """Worker 0 says, once per kind of input, how the workers read it.
+
+    Args:
+        adapter: Keras's data adapter.
+        divided: whether each worker prepares only its share
+            (`divided_input`); else every worker reads it whole, each
+            keeping its rows of every global batch (docs/multihost.md).
+    """
     strategy = _strategy
     if strategy is None or adapter is None:
         return
@@ -319,4 +331,5 @@ def say_input(adapter):
         return
     _INPUTS_SAID.add(kind)
     if strategy.worker_index == 0:
-        print_msg(kinds.input_line(kind, False, strategy.num_workers))
+        how = "each worker taking its rows of the others' batches"
+        print_msg(kinds.input_line(kind, divided, strategy.num_workers, how=how))

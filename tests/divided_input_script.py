@@ -1,6 +1,7 @@
-"""What each JAX process runs in the divided-input tests.
+"""What each process runs in the divided-input tests (JAX processes,
+TensorFlow workers).
 
-`python jax_divided_input_script.py OUT CASES` runs every case of
+`python divided_input_script.py OUT CASES` runs every case of
 `divided_input_workers` (CASES: a JSON list of its keyword arguments), each
 process with its own torch seed (a loader's shuffle must still be process
 0's), and pickles the results to `OUT/results<process>.pkl`;
@@ -16,9 +17,7 @@ import divided_input_workers as workers
 
 
 def main(out, cases):
-    import jax
-
-    process = jax.process_index()
+    process = workers.process_index()
     if cases == "fail":
         workers.pipeline_fails_on_rank_1()
         return

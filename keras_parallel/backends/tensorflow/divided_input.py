@@ -1,0 +1,276 @@
+"""Each TensorFlow worker prepares only its share of the input.
+
+Keras's TensorFlow trainer reads a data adapter's `get_tf_dataset` and
+distributes it (`experimental_distribute_dataset`): every worker then runs
+the whole pipeline and keeps its rows of each global batch. Across workers
+the `get_tf_dataset` of three adapters is replaced, while an entry point
+runs, by a data set of *this worker's rows only*, cut into its replicas'
+pieces (`per_replica`), which `strategies.ExactRun` distributes as one
+input pipeline per worker (`distribute_datasets_from_function`). Each
+global batch and the order stay one device's:
+
+- a map-style torch `DataLoader`: each worker loads only its rows of each
+  global batch (`keras_parallel.input.rank_loader`), from worker 0's torch
+  random state (one shuffle);
+- a `PyDataset` of one worker: in each group of `W` positions of the
+  epoch's order, worker `w` makes the batch at position `w` of the group
+  and hands every other worker its rows, then takes its rows of the
+  others' batches (each holds its rows of one group, `W` batches, at a
+  time);
+- a generator: worker 0 alone draws each batch and hands every other
+  worker its rows.
+
+The rows travel through TensorFlow's coordination service (the key-value
+store `MultiWorkerMirroredStrategy` starts), not a collective: Keras's
+`tf.data` runs these generators in its own threads, where a collective
+would race the training step's. A reader polls the store, so no thread
+waits inside TensorFlow holding Python's lock.
+
+Arrays are sliced by `tf.data` from every worker's own copy (cheap: no
+Python work per row) and a `tf.data.Dataset` is read whole by every
+worker; worker 0 says so, once per kind (docs/multihost.md).
+"""
+
+import base64
+import itertools
+import pickle
+import time
+
+import tensorflow as tf
+
+from keras_parallel.backends.tensorflow import workers as tf_workers
+from keras_parallel.backends.tensorflow.keras_compat import data_adapter_utils, tree
+from keras_parallel.backends.tensorflow.strategies import PER_REPLICA
+from keras_parallel.input import kinds, rank_loader
+
+_END = "keras_parallel: end of the epoch"
+_KEY = "keras_parallel/input"
+#: Each generator run's keys start with its number; the same on every
+#: worker, which starts the same runs in the same order.
+_runs = itertools.count()
+
+
+class DividedInput:
+    """Divides the input of the runs under one strategy between its workers.
+
+    Args:
+        strategy: the `ExactMultiWorkerMirroredStrategy`.
+        store: the workers' key-value store (`workers.CoordinationStore`).
+    """
+
+    def __init__(self, strategy, store):
+        self.workers = strategy.num_workers
+        self.worker = strategy.worker_index
+        self.replicas = strategy.num_replicas_in_sync
+        self.per_worker = self.replicas // self.workers
+        self.store = store
+        #: The kinds of input seen: `{"DataLoader": True, "tf.data": False}`
+        #: (whether each was divided).
+        self.kinds = {}
+        self._rank_loaders = {}  # id(loader) -> (loader, its rank loader)
+
+    def dataset(self, adapter, previous):
+        """A data adapter's `get_tf_dataset`, divided where it can be.
+
+        Args:
+            adapter: Keras's data adapter.
+            previous: Keras's `get_tf_dataset` of the adapter's class (run
+                first: it computes the adapter's element spec).
+
+        Returns:
+            A `tf.data.Dataset`: Keras's own, or one of this worker's
+            replicas' pieces, marked `PER_REPLICA`.
+        """
+        keras_dataset = previous(adapter)
+        kind = kinds.input_kind(adapter)
+        spec = _piece_spec(getattr(adapter, "_output_signature", None))
+        source = None if spec is None else self._source(adapter, kind)
+        self.kinds.setdefault(kind, source is not None)
+        tf_workers.say_input(adapter, divided=source is not None)
+        if source is None:
+            return keras_dataset
+        dataset = tf.data.Dataset.from_generator(
+            lambda: self._pieces(source()), output_signature=spec
+        )
+        setattr(dataset, PER_REPLICA, True)
+        return dataset
+
+    def rows_of(self, rows, worker=None):
+        """`(start, stop)`: a worker's rows of a global batch of `rows` rows
+        (its replicas' contiguous slices, as `tf.distribute` splits)."""
+        worker = self.worker if worker is None else worker
+        first = worker * self.per_worker
+        return (
+            rows * first // self.replicas,
+            rows * (first + self.per_worker) // self.replicas,
+        )
+
+    def _pieces(self, batches):
+        """Each `(global rows, this worker's rows)` cut into its replicas'
+        pieces, one element per replica."""
+        for rows, local in batches:
+            start, _ = self.rows_of(rows)
+            first = self.worker * self.per_worker
+            for replica in range(first, first + self.per_worker):
+                a = rows * replica // self.replicas - start
+                b = rows * (replica + 1) // self.replicas - start
+                yield tree.map_structure(lambda x, a=a, b=b: x[a:b], local)
+
+    def _source(self, adapter, kind):
+        """A function starting one run of `(rows, local rows)`, or None."""
+        if kind == "PyDataset" and kinds.shareable_pydataset(adapter):
+            return lambda: self._pydataset_batches(adapter, next(_runs))
+        if kind == "generator":
+            return lambda: self._generator_batches(adapter, next(_runs))
+        loader = getattr(adapter, "_dataloader", None)
+        if kind == "DataLoader" and rank_loader.divisible(loader):
+            return lambda: self._loader_batches(loader, next(_runs))
+        return None
+
+    def _pydataset_batches(self, adapter, run):
+        dataset = adapter.py_dataset
+        order = kinds.epoch_order(adapter, dataset.num_batches)
+        for group in range(0, len(order), self.workers):
+            # Every worker makes its batch of the group at once, then takes
+            # its rows of the others'.
+            mine = group + self.worker
+            own = None
+            if mine < len(order):
+                batch = adapter._standardize_batch(dataset[order[mine]])
+                own = self._hand_out(run, mine, _numpy(batch))
+            for position in range(group, min(group + self.workers, len(order))):
+                yield own if position == mine else self._take(run, position)
+
+    def _generator_batches(self, adapter, run):
+        if self.worker != 0:
+            for position in itertools.count():
+                taken = self._take(run, position)
+                if isinstance(taken, str) and taken == _END:
+                    return
+                yield taken
+        drawn = 0
+        for batch in adapter.get_numpy_iterator():
+            yield self._hand_out(run, drawn, _numpy(batch))
+            drawn += 1
+        self._send_to_others(run, drawn, _END)
+
+    def _loader_batches(self, loader, run):
+        kept = self._rank_loaders.get(id(loader))
+        if kept is None or kept[0] is not loader:
+            kept = (loader, rank_loader.rank_loader(loader, self.rows_of))
+            self._rank_loaders[id(loader)] = kept
+        own = kept[1]
+        self._share_torch_random_state(loader, run)
+        iterator = iter(own)
+        sizes = own.batch_sampler.sizes  # This iteration's.
+        for batch in iterator:
+            yield sizes.popleft(), _numpy(batch)
+
+    # ------------------------------------------------------ the exchange
+    def _hand_out(self, run, position, batch):
+        """Puts every other worker's rows of `batch` in the store.
+
+        Returns:
+            `(rows, this worker's rows)`.
+        """
+        rows = _rows(batch)
+        own = None
+        for worker in range(self.workers):
+            start, stop = self.rows_of(rows, worker)
+            rows_of_worker = slice(start, stop)
+            part = (rows, tree.map_structure(lambda x, s=rows_of_worker: x[s], batch))
+            if worker == self.worker:
+                own = part
+            else:
+                self._put(run, position, worker, part)
+        return own
+
+    def _send_to_others(self, run, position, value):
+        for worker in range(self.workers):
+            if worker != self.worker:
+                self._put(run, position, worker, value)
+
+    def _put(self, run, position, worker, value):
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        key = f"{_KEY}/{run}/{position}/{worker}"
+        self.store.set(key, base64.b64encode(payload).decode("ascii"))
+
+    def _take(self, run, position):
+        """This worker's part at `position`, waiting for its maker."""
+        key = f"{_KEY}/{run}/{position}/{self.worker}"
+        wait = 0.0005
+        while True:
+            value = self.store.try_get(key)
+            if value is not None:
+                self.store.delete(key)
+                return pickle.loads(base64.b64decode(value))
+            time.sleep(wait)  # Outside TensorFlow: the main thread runs.
+            wait = min(2 * wait, 0.02)
+
+    def _share_torch_random_state(self, loader, run):
+        """Worker 0's torch random state (or the loader's generator's) on
+        every worker: a loader's shuffle draws from it, and the workers
+        share only Python's and NumPy's (`Executor.share_host_random_state`)."""
+        import torch
+
+        generator = loader.generator
+        state = (
+            generator.get_state() if generator is not None else torch.get_rng_state()
+        )
+        if self.worker == 0:
+            self._send_to_others(run, "torch", state.numpy().tobytes())
+            return
+        shared = self._take(run, "torch")
+        state = torch.frombuffer(bytearray(shared), dtype=torch.uint8)
+        if generator is not None:
+            generator.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
+
+def _numpy(batch):
+    """A batch with NumPy leaves, as Keras converts them (torch tensors too);
+    a loader's list as the tuple Keras's element spec has."""
+    batch = next(data_adapter_utils.get_numpy_iterator([batch]))
+    return tuple(batch) if isinstance(batch, list) else batch
+
+
+def _rows(batch):
+    return len(tree.flatten(batch)[0])
+
+
+def _piece_spec(signature):
+    """The element spec of a replica's piece: Keras's batch spec with any
+    batch size, or None where a leaf is not a dense tensor (sparse, ragged,
+    absent: read whole, as Keras reads it)."""
+    if signature is None:
+        return None
+    leaves = tree.flatten(signature)
+    if not leaves or not all(
+        isinstance(s, tf.TensorSpec) and s.shape.rank for s in leaves
+    ):
+        return None
+    return tree.map_structure(
+        lambda s: tf.TensorSpec((None,) + tuple(s.shape[1:]), s.dtype), signature
+    )
+
+
+def adapter_replacements(divided, adapter_classes):
+    """`{(adapter class, "get_tf_dataset"): replacement}`: each class's data
+    set through `divided.dataset`.
+
+    Args:
+        divided: a `DividedInput`.
+        adapter_classes: Keras's data adapter classes.
+    """
+
+    def replacement(previous):
+        def get_tf_dataset(adapter):
+            return divided.dataset(adapter, previous)
+
+        return get_tf_dataset
+
+    return {
+        (cls, "get_tf_dataset"): replacement(cls.get_tf_dataset)
+        for cls in adapter_classes
+    }

@@ -1,0 +1,182 @@
+"""Each TensorFlow worker prepares only its share of the input.
+
+2 workers x 2 logical CPU devices (one 4-replica
+`MultiWorkerMirroredStrategy`) fit, validate, evaluate and predict through
+arrays, a torch `DataLoader` over a map-style dataset (shuffled, each
+worker seeding torch its own way), a `PyDataset` (shuffled) and a
+generator: the rows each worker's pipeline prepared are about half of one
+device's, and the weights, History, evaluation and predictions equal one
+device's, the split proven by the rows each replica's step received.
+"""
+
+import json
+import os
+import pickle
+import sys
+import time
+
+import divided_input_workers as workers
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow workers (tox -e tensorflow)",
+)
+
+from subprocesses import checkout_env, run_in_session, running  # noqa: E402
+
+try:
+    import torch  # noqa: F401
+
+    HAS_TORCH = True
+except ImportError:
+    HAS_TORCH = False
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = {
+    "arrays": dict(kind="arrays"),
+    "pydataset": dict(kind="pydataset"),
+    "generator": dict(kind="generator"),
+}
+if HAS_TORCH:
+    CASES["dataloader"] = dict(kind="dataloader")
+TIMEOUT_S = 300
+#: One epoch's global batches, then its validation's (301 rows).
+TRAIN = [64] * 15 + [43]
+VALIDATION = [64] * 4 + [45]
+VALIDATION_ROWS = 301
+
+
+def launch(out, cases):
+    command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
+    command += ["--backend", "tensorflow", "--nproc-per-node", "2"]
+    command += ["--devices-per-process", "2"]
+    command += [os.path.join(HERE, "divided_input_script.py"), str(out)]
+    command.append(cases if isinstance(cases, str) else json.dumps(cases))
+    return run_in_session(command, checkout_env(KERAS_BACKEND="tensorflow"), TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("divided")
+    names = list(CASES)
+    result = launch(out, [CASES[name] for name in names])
+    assert result.returncode == 0, result.stderr[-4000:]
+    per_worker = []
+    for worker in (0, 1):
+        with open(os.path.join(out, f"results{worker}.pkl"), "rb") as f:
+            per_worker.append(pickle.load(f))
+    results = {name: [w[i] for w in per_worker] for i, name in enumerate(names)}
+    results["stdout"] = result.stdout
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {
+        name: workers.run(**dict(case, distributed=False))
+        for name, case in CASES.items()
+    }
+
+
+def replica_rows(rows, replica, replicas=4):
+    """A replica's rows of a batch a worker divided (`divided_input`)."""
+    return rows * (replica + 1) // replicas - rows * replica // replicas
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_workers_train_as_one_device(two_workers, one_device, name):
+    reference = one_device[name]
+    # History's `row_count` (a sum) is not yet global across TensorFlow
+    # workers: `test_history_sums_over_workers` below.
+    means = ("loss", "accuracy", "val_loss", "val_accuracy")
+    for result in two_workers[name]:
+        workers.assert_trained_as_one_device(result, reference, history_keys=means)
+    # The split: every replica step of both workers computed at most a
+    # quarter of a 64-row batch, and together they computed each row of
+    # every epoch and its validation once.
+    seen = [rows for result in two_workers[name] for _, rows in result["split"]]
+    assert max(seen) == 16, seen
+    assert sum(seen) == workers.EPOCHS * (workers.ROWS + VALIDATION_ROWS), seen
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug, with or without divided input: across TensorFlow "
+    "workers a metric passed as an object (a sum, or SparseCategoricalAccuracy"
+    "()) logs its value over this worker's replicas in History (evaluate's "
+    "is global); the string 'accuracy' and the loss are global",
+)
+def test_history_sums_over_workers(two_workers, one_device):
+    reference = one_device["arrays"]["history"]["row_count"]
+    for result in two_workers["arrays"]:
+        assert result["history"]["row_count"] == reference
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_worker_divides_its_input(two_workers, name):
+    kinds = {
+        "arrays": "arrays",
+        "dataloader": "DataLoader",
+        "pydataset": "PyDataset",
+        "generator": "generator",
+    }
+    kind = kinds[CASES[name]["kind"]]
+    for result in two_workers[name]:
+        # Arrays: each worker slices its own copy (no Python work per row).
+        assert result["divided"].get(kind, False) is (kind != "arrays")
+
+
+def test_the_first_fit_says_how_its_input_is_divided(two_workers):
+    out = two_workers["stdout"]
+    assert "Input: PyDataset, batches made round-robin by 2 processes" in out
+    assert "Input: generator, drawn by process 0 alone" in out
+    assert "Input: arrays, read whole by each of 2 processes" in out
+    if HAS_TORCH:
+        assert "Input: DataLoader, each of 2 processes loads its rows" in out
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="a torch DataLoader needs torch")
+def test_each_worker_loads_its_rows_of_every_batch(two_workers, one_device):
+    alone = one_device["dataloader"]["loaded"]
+    batches = TRAIN + VALIDATION
+    # The one device also loads the 2 batches Keras reads for the element
+    # spec, once per loader.
+    assert alone == 2 * sum(batches) + 2 * 64 + 2 * 64
+    for worker, result in enumerate(two_workers["dataloader"]):
+        share = sum(
+            replica_rows(b, 2 * worker) + replica_rows(b, 2 * worker + 1)
+            for b in batches
+        )
+        assert result["loaded"] == 2 * share + 2 * 64 + 2 * 64
+        assert result["loaded"] <= alone / 2 + 4 * 64
+
+
+def test_each_worker_makes_half_a_pydatasets_batches(two_workers, one_device):
+    alone = one_device["pydataset"]["loaded"]
+    assert alone == 2 * 64 + 2 * 1003  # The spec's 2 batches, then 2 epochs.
+    made = [r["loaded"] for r in two_workers["pydataset"]]
+    for worker_made in made:
+        assert worker_made <= 2 * 64 + 1003 + 64, made
+    assert sum(made) == 2 * 2 * 64 + 2 * 1003  # Each batch made once.
+
+
+def test_one_worker_draws_the_generator(two_workers, one_device):
+    alone = one_device["generator"]["loaded"]
+    drawn = [r["loaded"] for r in two_workers["generator"]]
+    # Worker 1 draws only the 2 batches Keras peeks when fit starts; worker
+    # 0 draws the epochs once, its replicas' prefetch up to 2 batches
+    # further ahead than one device's (trained on in the next epoch).
+    assert drawn[1] == 2 * 64, (drawn, alone)
+    assert alone <= drawn[0] <= alone + 2 * 64, (drawn, alone)
+
+
+def test_a_worker_whose_pipeline_raises_is_the_one_reported(tmp_path):
+    start = time.monotonic()
+    result = launch(tmp_path, "fail")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "batch 3 could not be decoded" in result.stderr
+    assert "worker 1 failed with exit code 1" in result.stderr
+    assert time.monotonic() - start < 120
+    assert running(str(tmp_path)) == []
