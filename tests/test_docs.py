@@ -21,6 +21,8 @@ Directives, separated by `;`:
 - `launch N`: run under `keras-parallel launch --nproc-per-node N`.
 - `expect REGEX`: the block's output must match (a number the text promises).
 - `skip (why)`: never run.
+- `slow (why)`: an accuracy run of minutes, run with the opt-in accuracy
+  runs alone (`pytest -m slow`), as the suite's own.
 
 Every skip says why, and a marker this file does not understand fails.
 
@@ -46,7 +48,8 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BACKEND = os.environ["KERAS_BACKEND"]
 BACKENDS = ("jax", "torch", "tensorflow")
 # One block's hard limit. The slowest, docs/torch.md's 30 epochs of the
-# convnet (one process, then two), took 12-40 s each on 2 busy cores.
+# convnet (one process, then two), took 12-70 s each on 2 busy cores: they
+# are `slow`, run with the accuracy runs (`pytest -m slow`).
 TIMEOUT_S = 240
 
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
@@ -192,9 +195,9 @@ def parse_marker(text):
             continue
         name, _, rest = part.partition(" ")
         rest = rest.strip()
-        if name in ("skip", "only"):
+        if name in ("skip", "only", "slow"):
             found = re.fullmatch(r"([^()]*?)\s*\((.+)\)", rest)
-            if not found or (name == "skip") == bool(found.group(1)):
+            if not found or (name != "only") == bool(found.group(1)):
                 raise ValueError(f"{part!r}: write `{name} ... (why)`")
             if name == "only":
                 backends = [b.strip() for b in found.group(1).split(",")]
@@ -276,16 +279,38 @@ def test_markers_are_understood():
 
 
 def test_a_bad_marker_is_refused():
-    for text in (" skip", " only torch", " prelude nothing", " frobnicate 3"):
+    for text in (
+        " skip",
+        " slow",
+        " slow torch (why)",
+        " only torch",
+        " prelude nothing",
+        " frobnicate 3",
+    ):
         with pytest.raises(ValueError):
             parse_marker(text)
     assert parse_marker(" skip (needs 16 GPUs)") == {
         "skip": True,
         "skip_reason": "needs 16 GPUs",
     }
+    assert parse_marker(" slow (30 epochs)") == {
+        "slow": True,
+        "slow_reason": "30 epochs",
+    }
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
+def _block_params():
+    return [
+        pytest.param(
+            block,
+            id=block.where,
+            marks=[pytest.mark.slow] if "slow" in block.directives else [],
+        )
+        for block in BLOCKS
+    ]
+
+
+@pytest.mark.parametrize("block", _block_params())
 def test_block_runs_as_written(block, tmp_path):
     if block.error:
         pytest.fail(block.error)
