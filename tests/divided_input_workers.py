@@ -183,17 +183,12 @@ def _divided_kinds(model):
     return dict(divided.kinds)
 
 
-def assert_trained_as_one_device(result, reference, history_keys=None):
-    """Weights, History, evaluation and predictions equal one device's.
-
-    Args:
-        history_keys: the History entries compared; all when None.
-    """
+def assert_trained_as_one_device(result, reference):
+    """Weights, History, evaluation and predictions equal one device's."""
     for a, b in zip(result["weights"], reference["weights"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     for key, values in reference["history"].items():
-        if history_keys is None or key in history_keys:
-            np.testing.assert_allclose(result["history"][key], values, rtol=1e-5)
+        np.testing.assert_allclose(result["history"][key], values, rtol=1e-5)
     for key, value in reference["evaluation"].items():
         np.testing.assert_allclose(result["evaluation"][key], value, rtol=1e-5)
     np.testing.assert_allclose(

@@ -88,30 +88,16 @@ def replica_rows(rows, replica, replicas=4):
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_workers_train_as_one_device(two_workers, one_device, name):
     reference = one_device[name]
-    # History's `row_count` (a sum) is not yet global across TensorFlow
-    # workers: `test_history_sums_over_workers` below.
-    means = ("loss", "accuracy", "val_loss", "val_accuracy")
+    # History's `row_count`, a metric object summing rows, is the global
+    # sum: a metric object's variables are moved under the strategy too.
     for result in two_workers[name]:
-        workers.assert_trained_as_one_device(result, reference, history_keys=means)
+        workers.assert_trained_as_one_device(result, reference)
     # The split: every replica step of both workers computed at most a
     # quarter of a 64-row batch, and together they computed each row of
     # every epoch and its validation once.
     seen = [rows for result in two_workers[name] for _, rows in result["split"]]
     assert max(seen) == 16, seen
     assert sum(seen) == workers.EPOCHS * (workers.ROWS + VALIDATION_ROWS), seen
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, with or without divided input: across TensorFlow "
-    "workers a metric passed as an object (a sum, or SparseCategoricalAccuracy"
-    "()) logs its value over this worker's replicas in History (evaluate's "
-    "is global); the string 'accuracy' and the loss are global",
-)
-def test_history_sums_over_workers(two_workers, one_device):
-    reference = one_device["arrays"]["history"]["row_count"]
-    for result in two_workers["arrays"]:
-        assert result["history"]["row_count"] == reference
 
 
 @pytest.mark.parametrize("name", list(CASES))

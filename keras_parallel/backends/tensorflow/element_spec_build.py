@@ -3,6 +3,7 @@
 import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
+from keras_parallel.backends.tensorflow import variables as tf_variables
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import DATA_ADAPTERS, tree
 from keras_parallel.backends.tensorflow.strategies import ExactRun
@@ -130,3 +131,9 @@ def _build_from_element_spec(model, strategy, dataset):
             build_from_inputs(model, batch[0])
         else:
             model._symbolic_build(data_batch=batch)
+    # The compiled metrics are built now, under the strategy: those Keras
+    # makes (`"accuracy"`) are born on-read, but a metric given as an
+    # object made its variables in its `__init__`, as plain variables the
+    # replicas of one worker would share (its History value that worker's
+    # alone). They are moved under the strategy like the model's.
+    tf_variables.move_variables(model, strategy)
