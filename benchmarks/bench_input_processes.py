@@ -12,14 +12,15 @@ processes divide is at most 0.6 (docs/benchmarks.md). A compute-bound
 model (no per-row work, a wider model) shows what division costs where
 the input is cheap.
 
-On JAX the processes are `keras-parallel launch --backend jax` processes
-of one CPU device each (this file, run as `--worker`), against one such
-process.
+On JAX and TensorFlow the processes are `keras-parallel launch --backend
+jax` processes (TensorFlow workers) of one CPU device each (this file, run
+as `--worker`), against one such process.
 
 Usage:
 
     KERAS_BACKEND=torch python benchmarks/bench_input_processes.py [--rounds 3]
     KERAS_BACKEND=jax python benchmarks/bench_input_processes.py [--rounds 3]
+    KERAS_BACKEND=tensorflow python benchmarks/bench_input_processes.py
 """
 
 import argparse
@@ -109,11 +110,7 @@ def epoch_seconds(kind, row_ms, width):
 
     # The launcher's variables (torch: the group itself starts with the
     # first distribution; JAX: the bootstrap joined the processes).
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if keras.backend.backend() == "jax":
-        import jax
-
-        world = jax.process_count()
+    world = _process_count_and_index()[0]
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
     hidden = keras.layers.Dense(width, activation="relu")(inputs)
@@ -140,9 +137,28 @@ def epoch_seconds(kind, row_ms, width):
     return {"seconds": statistics.median(times[1:]), "rows_per_epoch": loaded}
 
 
+def _process_count_and_index():
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.process_count(), jax.process_index()
+    if keras.backend.backend() == "tensorflow":
+        from keras_parallel.backends.tensorflow import workers
+
+        strategy = workers.strategy()
+        return (
+            (1, 0)
+            if strategy is None
+            else (strategy.num_workers, strategy.worker_index)
+        )
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
 def measure(kind, processes, row_ms, width):
-    if os.environ["KERAS_BACKEND"] == "jax":
-        results = _jax_processes(kind, processes, row_ms, width)
+    if os.environ["KERAS_BACKEND"] in ("jax", "tensorflow"):
+        results = _launched_processes(kind, processes, row_ms, width)
     else:
         from keras_parallel.launcher.torch_processes import launch
 
@@ -152,15 +168,17 @@ def measure(kind, processes, row_ms, width):
     return max(r["seconds"] for r in results), [r["rows_per_epoch"] for r in results]
 
 
-def _jax_processes(kind, processes, row_ms, width):
-    """`keras-parallel launch` of this file as `--worker` on JAX processes."""
+def _launched_processes(kind, processes, row_ms, width):
+    """`keras-parallel launch` of this file as `--worker`: JAX processes or
+    TensorFlow workers."""
     import subprocess
     import sys
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
-        command += ["--backend", "jax", "--nproc-per-node", str(processes)]
+        backend = os.environ["KERAS_BACKEND"]
+        command += ["--backend", backend, "--nproc-per-node", str(processes)]
         command += ["--devices-per-process", "1", os.path.abspath(__file__)]
         command += ["--worker", kind, str(row_ms), str(width), out]
         subprocess.run(command, check=True, timeout=600, stdout=subprocess.DEVNULL)
@@ -172,10 +190,9 @@ def _jax_processes(kind, processes, row_ms, width):
 
 
 def _worker(kind, row_ms, width, out):
-    import jax
-
     result = epoch_seconds(kind, float(row_ms), int(width))
-    with open(os.path.join(out, f"process{jax.process_index()}.json"), "w") as f:
+    index = _process_count_and_index()[1]
+    with open(os.path.join(out, f"process{index}.json"), "w") as f:
         json.dump(result, f)
 
 
