@@ -105,11 +105,28 @@ def one_device():
         if case == "one_step":
             order = np.arange(64)
         else:
-            order = np.random.RandomState(1).permutation(len(x))
+            order = epoch_order(len(x))
         model.fit(x[order], y[order], batch_size=64, shuffle=False, verbose=0)
         batches = [order[i : i + 64].tolist() for i in range(0, len(order), 64)]
         out[case] = model, batches
     return out
+
+
+def epoch_order(rows):
+    """The order of the workers' shuffled first epoch.
+
+    Keras 3.15 shuffles with `tf.random.shuffle`, which across workers is
+    drawn from NumPy (`workers.numpy_shuffles`): worker 0's permutation.
+    Keras 3.16 shuffles statelessly, seeded by the epoch, the same on every
+    worker and on one device: read from its own adapter.
+    """
+    from keras_parallel.backends.tensorflow.keras_compat import ArrayDataAdapter
+
+    if not hasattr(ArrayDataAdapter, "_tf_shuffle"):  # Keras 3.15
+        return np.random.RandomState(1).permutation(rows)
+    adapter = ArrayDataAdapter(np.arange(rows), shuffle=True, batch_size=64)
+    batches = adapter.get_tf_dataset()  # Of `x` alone: each a tensor.
+    return np.concatenate([np.asarray(batch) for batch in batches])
 
 
 @pytest.mark.parametrize("case", CASES)
