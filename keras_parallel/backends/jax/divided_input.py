@@ -15,7 +15,10 @@ and the order staying one device's:
   order, each process makes the one batch it owns among the next `W`, all
   at once, and one all-gather hands every process all `W` (so each holds
   `W` batches, one group, at a time);
-- a generator: process 0 alone draws each batch and broadcasts it.
+- a generator: process 0 alone draws each batch and writes it in
+  `jax.distributed`'s key-value store, once for each other process, which
+  reads and deletes it (no collective: process 0 draws on while the
+  others read).
 
 Arrays are sliced from every process's own copy (a copy of the batch's
 rows, no conversion), each placing only its rows; a `tf.data.Dataset` and
@@ -23,6 +26,7 @@ Grain are read whole by every process. The chief says how, once per kind.
 """
 
 import collections
+import itertools
 import pickle
 
 import jax
@@ -34,6 +38,9 @@ from keras_parallel.input import kinds, rank_loader
 from keras_parallel.keras_compat import print_msg
 
 _END = "keras_parallel: end of the epoch"
+#: Each generator run's keys start with its number: the same on every
+#: process, which starts the same runs in the same order.
+_runs = itertools.count()
 #: Parts remembered and not yet placed; older ones were never placed (an
 #: iteration Keras abandoned) and are forgotten.
 _KEPT_PARTS = 64
@@ -169,12 +176,22 @@ class DividedInput:
                 yield pickle.loads(made[k - group])
 
     def _generator_batches(self, adapter, previous):
-        drawn = iter(previous(adapter)) if self.process == 0 else None
-        while True:
-            payload = b""
-            if self.process == 0:
-                payload = _dumps(next(drawn, _END))
-            batch = pickle.loads(processes.broadcast_bytes(payload))
+        run = next(_runs)
+        store = processes.CoordinationStore()
+        others = [p for p in range(self.processes) if p != self.process]
+        if self.process == 0:
+            drawn = 0
+            for batch in previous(adapter):
+                payload = _dumps(batch)
+                for process in others:
+                    store.put_bytes(_key(run, drawn, process), payload)
+                yield batch
+                drawn += 1
+            for process in others:
+                store.put_bytes(_key(run, drawn, process), _dumps(_END))
+            return
+        for position in itertools.count():
+            batch = pickle.loads(store.take_bytes(_key(run, position, self.process)))
             if isinstance(batch, str) and batch == _END:
                 return
             yield batch
@@ -201,6 +218,10 @@ class DividedInput:
             while len(self._parts) > _KEPT_PARTS:
                 self._parts.popitem(last=False)
             yield batch
+
+
+def _key(run, position, process):
+    return f"keras_parallel/input/{run}/{position}/{process}"
 
 
 def _dumps(batch):

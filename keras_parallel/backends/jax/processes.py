@@ -126,8 +126,9 @@ class CoordinationStore:
     Reached through `jax._src.distributed.global_state.client`, the client
     `jax.distributed.initialize` made: JAX gives it no public name (its own
     `multihost_utils` and Orbax read it there). Its `key_value_set` (with
-    `allow_overwrite`) and `key_value_try_get` are in every JAX we claim
-    (0.7 and later).
+    `allow_overwrite`), `key_value_try_get`, `key_value_set_bytes`,
+    `blocking_key_value_get_bytes` and `key_value_delete` are in every JAX
+    we claim (0.7 and later).
     """
 
     def __init__(self):
@@ -145,6 +146,29 @@ class CoordinationStore:
             if "NOT_FOUND" in str(error):
                 return None
             raise
+
+    #: A `take` waits this long at a time for its key (a process that
+    #: failed ends the others through the launcher, not through this wait).
+    TAKE_WAIT_MS = 60_000
+
+    def put_bytes(self, key, payload):
+        """Writes `payload` (bytes) under `key`, for one process to `take`."""
+        self._client.key_value_set_bytes(key, payload)
+
+    def take_bytes(self, key):
+        """The bytes under `key` once another process wrote them; the key
+        is deleted (each is read once)."""
+        while True:
+            try:
+                payload = self._client.blocking_key_value_get_bytes(
+                    key, self.TAKE_WAIT_MS
+                )
+                break
+            except Exception as error:  # JaxRuntimeError: not written yet.
+                if "DEADLINE_EXCEEDED" not in str(error):
+                    raise
+        self._client.key_value_delete(key)
+        return payload
 
 
 def barrier():
