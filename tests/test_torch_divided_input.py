@@ -120,6 +120,6 @@ def test_one_rank_draws_the_generator(two_ranks, one_process):
 def test_a_rank_whose_pipeline_raises_is_the_one_reported():
     from keras_parallel.launcher.torch_processes import launch
 
-    with pytest.raises(RuntimeError, match="batch 1 could not be decoded") as raised:
+    with pytest.raises(RuntimeError, match="batch 3 could not be decoded") as raised:
         launch(workers.pipeline_fails_on_rank_1, 2, timeout=120, collective_timeout=30)
     assert raised.value.rank == 1
