@@ -147,9 +147,11 @@ class CoordinationStore:
                 return None
             raise
 
-    #: A `take` waits this long at a time for its key (a process that
-    #: failed ends the others through the launcher, not through this wait).
-    TAKE_WAIT_MS = 60_000
+    #: A `take` waits this long at a time for its key, then again: Python
+    #: runs its signal handlers between waits (a launcher's SIGTERM is
+    #: handled within a second; a process that failed ends the others
+    #: through the launcher, not through this wait).
+    TAKE_WAIT_MS = 1_000
 
     def put_bytes(self, key, payload):
         """Writes `payload` (bytes) under `key`, for one process to `take`."""
