@@ -136,20 +136,22 @@ _LIST_DEVICES = (
 
 
 @pytest.mark.parametrize(
-    "imports",
+    "imports, world",
     [
-        "import keras_parallel, keras",
-        "import keras, keras_parallel",
+        ("import keras_parallel, keras", None),
+        ("import keras, keras_parallel", "4"),
         # Keras first imported by keras_parallel's own version check.
-        "import keras_parallel; keras_parallel.DistributedModel; import keras",
+        ("import keras_parallel; keras_parallel.DistributedModel; import keras", "4"),
     ],
 )
-def test_keras_lists_torch_devices_as_keras_3_16_does(imports):
+def test_keras_lists_torch_devices_as_keras_3_16_does(imports, world):
     # Keras 3.15 has no torch distribution_lib: `list_devices()` raised
     # AttributeError on None. keras_parallel gives it Keras 3.16's functions
     # when Keras is imported, before or after keras_parallel, with no other
     # keras_parallel code run. Under torchrun's WORLD_SIZE, one device per
     # process (as under a gloo group: see the JAX-written script below).
+    # (One process per case: each import order once, each WORLD_SIZE at
+    # least once.)
     import subprocess
     import sys
 
@@ -159,20 +161,19 @@ def test_keras_lists_torch_devices_as_keras_3_16_does(imports):
         None: "['cpu:0'] 1 []",
         "4": "['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3'] 4 []",
     }
-    for world, printed in expected.items():
-        env = checkout_env(KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
-        env.pop("WORLD_SIZE", None)
-        if world is not None:
-            env["WORLD_SIZE"] = world
-        result = subprocess.run(
-            [sys.executable, "-c", f"{imports}; {_LIST_DEVICES}"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert result.stdout.strip().splitlines()[-1] == printed, (world, imports)
+    env = checkout_env(KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("WORLD_SIZE", None)
+    if world is not None:
+        env["WORLD_SIZE"] = world
+    result = subprocess.run(
+        [sys.executable, "-c", f"{imports}; {_LIST_DEVICES}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == expected[world], (world, imports)
 
 
 def test_gpu_names_from_keras_are_torch_cuda_devices():
