@@ -96,8 +96,9 @@ class DividedInput:
         return dataset
 
     def rows_of(self, rows, worker=None):
-        """`(start, stop)`: a worker's rows of a global batch of `rows` rows
-        (its replicas' contiguous slices, as `tf.distribute` splits)."""
+        """`(start, stop)`: a worker's rows of a global batch of `rows` rows:
+        its replicas' slices, contiguous, in replica order (replica `r` of
+        `R` takes rows `[rows * r // R, rows * (r + 1) // R)`)."""
         worker = self.worker if worker is None else worker
         first = worker * self.per_worker
         return (
