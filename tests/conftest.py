@@ -38,3 +38,9 @@ if os.environ["KERAS_BACKEND"] == "tensorflow":
         """
         yield
         gc.collect()
+        # What survives (modules, module-scoped fixtures) is left out of
+        # later collections, so that each test's collection reads only
+        # what that test made: a full one reads TensorFlow's and Keras's
+        # whole heap, 0.16 s a test on an idle machine (0.4 s busy), over
+        # 800 tests of the tensorflow env.
+        gc.freeze()
