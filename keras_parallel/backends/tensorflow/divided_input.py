@@ -59,6 +59,7 @@ class DividedInput:
     """
 
     def __init__(self, strategy, store):
+        self.strategy = strategy
         self.workers = strategy.num_workers
         self.worker = strategy.worker_index
         self.replicas = strategy.num_replicas_in_sync
@@ -89,6 +90,8 @@ class DividedInput:
         tf_workers.say_input(adapter, divided=source is not None)
         if source is None:
             return keras_dataset
+        if kind == "DataLoader":
+            self._share_torch_random_state(adapter._dataloader)
         dataset = tf.data.Dataset.from_generator(
             lambda: self._pieces(source()), output_signature=spec
         )
@@ -131,16 +134,24 @@ class DividedInput:
     def _pydataset_batches(self, adapter, run):
         dataset = adapter.py_dataset
         order = kinds.epoch_order(adapter, dataset.num_batches)
-        for group in range(0, len(order), self.workers):
-            # Every worker makes its batch of the group at once, then takes
-            # its rows of the others'.
-            mine = group + self.worker
-            own = None
-            if mine < len(order):
-                batch = adapter._standardize_batch(dataset[order[mine]])
-                own = self._hand_out(run, mine, _numpy(batch))
-            for position in range(group, min(group + self.workers, len(order))):
-                yield own if position == mine else self._take(run, position)
+        pending = self.worker  # This worker's next position to make.
+        try:
+            for group in range(0, len(order), self.workers):
+                # Every worker makes its batch of the group at once, then
+                # takes its rows of the others'.
+                mine = group + self.worker
+                own = None
+                if mine < len(order):
+                    batch = adapter._standardize_batch(dataset[order[mine]])
+                    own = self._hand_out(run, mine, _numpy(batch))
+                    pending = mine + self.workers
+                for position in range(group, min(group + self.workers, len(order))):
+                    part = own if position == mine else self._take(run, position)
+                    if isinstance(part, str) and part == _END:
+                        return
+                    yield part
+        finally:
+            self._end_for_others(run, pending, len(order))
 
     def _generator_batches(self, adapter, run):
         if self.worker != 0:
@@ -149,11 +160,24 @@ class DividedInput:
                 if isinstance(taken, str) and taken == _END:
                     return
                 yield taken
-        drawn = 0
-        for batch in adapter.get_numpy_iterator():
-            yield self._hand_out(run, drawn, _numpy(batch))
-            drawn += 1
-        self._send_to_others(run, drawn, _END)
+        handed = 0
+        try:
+            for batch in adapter.get_numpy_iterator():
+                own = self._hand_out(run, handed, _numpy(batch))
+                handed += 1
+                yield own
+        finally:
+            self._end_for_others(run, handed)
+
+    def _end_for_others(self, run, position, end=None):
+        """Tells the workers that would wait for this worker's `position`
+        that the run ended there: it ran out, or it was abandoned (its
+        iterator deleted, as Keras does when `fit` ends, while another
+        worker's prefetch, further ahead, waits for a batch this worker
+        will not make; deleting that worker's iterator would wait for its
+        reading thread for ever)."""
+        if end is None or position < end:
+            self._send_to_others(run, position, _END)
 
     def _loader_batches(self, loader, run):
         kept = self._rank_loaders.get(id(loader))
@@ -161,7 +185,6 @@ class DividedInput:
             kept = (loader, rank_loader.rank_loader(loader, self.rows_of))
             self._rank_loaders[id(loader)] = kept
         own = kept[1]
-        self._share_torch_random_state(loader, run)
         iterator = iter(own)
         sizes = own.batch_sampler.sizes  # This iteration's.
         for batch in iterator:
@@ -208,20 +231,19 @@ class DividedInput:
             time.sleep(wait)  # Outside TensorFlow: the main thread runs.
             wait = min(2 * wait, 0.02)
 
-    def _share_torch_random_state(self, loader, run):
+    def _share_torch_random_state(self, loader):
         """Worker 0's torch random state (or the loader's generator's) on
-        every worker: a loader's shuffle draws from it, and the workers
-        share only Python's and NumPy's (`Executor.share_host_random_state`)."""
+        every worker, shared when the data set is made (in the main thread,
+        where a collective may run): a loader's shuffles draw from it, each
+        epoch alike on every worker, and the workers share only Python's
+        and NumPy's (`Executor.share_host_random_state`)."""
         import torch
 
         generator = loader.generator
         state = (
             generator.get_state() if generator is not None else torch.get_rng_state()
         )
-        if self.worker == 0:
-            self._send_to_others(run, "torch", state.numpy().tobytes())
-            return
-        shared = self._take(run, "torch")
+        shared = tf_workers.broadcast_bytes(self.strategy, state.numpy().tobytes())
         state = torch.frombuffer(bytearray(shared), dtype=torch.uint8)
         if generator is not None:
             generator.set_state(state)
