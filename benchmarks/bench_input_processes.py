@@ -1,7 +1,9 @@
 """An input-bound `fit` on 2 processes against 1: is the input divided?
 
-Each input kind does real per-row CPU work, as decoding or augmentation
-does (a busy loop of `--row-ms` ms per row), over 16 batches of 64 rows
+Each input kind (a map-style torch `DataLoader`, a `PyDataset`, a
+generator, a `tf.data` pipeline whose map does the work) does real per-row
+CPU work, as decoding or augmentation does (a busy loop of `--row-ms` ms
+per row), over 16 batches of 64 rows
 and a small model; a fit of 3 epochs times its last 2 (the first compiles
 and warms up). One process (plain Keras) and two (`keras_parallel.launch`,
 torch ranks, `ShardingCallback(DataParallel())`) run interleaved,
@@ -99,6 +101,20 @@ def _inputs(kind, row_ms, counter):
                     yield batch(i)
 
         return {"x": batches(), "steps_per_epoch": ROWS // BATCH}
+    if kind == "tf.data":
+        import tensorflow as tf
+
+        def work(x_row, y_row):
+            def busy():
+                _busy(row_ms / 1000)
+                rows_made.loaded += 1
+                return np.float32(0)
+
+            zero = tf.reshape(tf.py_function(busy, [], tf.float32), [])
+            return x_row + zero, y_row
+
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).map(work)
+        return {"x": dataset.batch(BATCH).prefetch(2)}
     raise ValueError(kind)
 
 
@@ -209,6 +225,7 @@ def main():
         ("DataLoader", "input-bound", args.row_ms, 16),
         ("PyDataset", "input-bound", args.row_ms, 16),
         ("generator", "input-bound", args.row_ms, 16),
+        ("tf.data", "input-bound", args.row_ms, 16),
         ("arrays", "compute-bound", 0.0, 1024),
     ]
     if args.only:

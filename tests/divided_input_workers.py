@@ -79,12 +79,45 @@ class CountedGenerator:
                 yield self.x[rows], self.y[rows]
 
 
+class CountedMap:
+    """A row-wise `tf.data` map that counts the rows it maps (in Python,
+    through `tf.py_function`), leaving them as they are."""
+
+    def __init__(self):
+        self.mapped = 0
+
+    def __call__(self, x, y):
+        import tensorflow as tf
+
+        def count():
+            self.mapped += 1
+            return np.float32(0)
+
+        zero = tf.reshape(tf.py_function(count, [], tf.float32), [])
+        return x + zero, y
+
+
+def counted_pipeline(x, y, shuffle):
+    """A `tf.data` pipeline as the guide writes it, and its counting map:
+    slices, a seeded shuffle, a map, a batch, a prefetch."""
+    import tensorflow as tf
+
+    counted = CountedMap()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    if shuffle:
+        dataset = dataset.shuffle(len(x), seed=5)
+    dataset = dataset.map(counted).batch(BATCH).prefetch(2)
+    return dataset, counted
+
+
 def run(kind, distributed=True, num_workers=0, shuffle=True, torch_seed=0):
     """Fits, evaluates and predicts through one kind of input.
 
     Args:
-        kind: `"arrays"` or `"dataloader"` (shuffled, over a counted
-            map-style dataset; validation through another).
+        kind: `"arrays"`, `"dataloader"` (shuffled, over a counted
+            map-style dataset; validation through another), `"pydataset"`,
+            `"generator"` or `"tfdata"` (a shuffled `tf.data` pipeline with
+            a counted map; validation through another).
         distributed: False for the one-device reference.
         num_workers: the loader's worker processes (the PyDataset's
             worker threads).
@@ -127,6 +160,12 @@ def run(kind, distributed=True, num_workers=0, shuffle=True, torch_seed=0):
     elif kind == "pydataset":
         train = CountedBatches(x, y, workers=max(1, num_workers))
         inputs = {"x": train, "shuffle": shuffle, "validation_data": (x[:301], y[:301])}
+    elif kind == "tfdata":
+        dataset, train = counted_pipeline(x, y, shuffle=True)
+        inputs = {"x": dataset, "shuffle": False}  # The pipeline shuffles.
+        inputs["validation_data"], validation = counted_pipeline(
+            x[:301], y[:301], shuffle=False
+        )
     elif kind == "generator":
         train = CountedGenerator(x, y)
         inputs = {"x": iter(train), "steps_per_epoch": 16}
@@ -207,6 +246,8 @@ def _loaded(kind, train, validation):
         return type(train).made
     if kind == "generator":
         return train.drawn
+    if kind == "tfdata":
+        return train.mapped + validation.mapped
     return None
 
 

@@ -3,7 +3,8 @@
 2 processes x 4 simulated CPU devices (one 8-device mesh) fit, validate,
 evaluate and predict through arrays, a torch `DataLoader` over a map-style
 dataset (shuffled, each process seeding torch its own way), a `PyDataset`
-(shuffled) and a generator: the rows each process's pipeline prepared are
+(shuffled), a generator and a `tf.data` pipeline with a map (where
+TensorFlow is installed): the rows each process's pipeline prepared are
 about half of one device's, and the weights, History, evaluation and
 predictions equal one device's, the split proven by the batch's sharding
 inside the compiled step.
@@ -34,6 +35,12 @@ try:
     HAS_TORCH = True
 except ImportError:
     HAS_TORCH = False
+try:
+    import tensorflow  # noqa: F401
+
+    HAS_TF = True
+except ImportError:
+    HAS_TF = False
 
 CASES = {
     "arrays": dict(kind="arrays"),
@@ -42,6 +49,8 @@ CASES = {
 }
 if HAS_TORCH:
     CASES["dataloader"] = dict(kind="dataloader")
+if HAS_TF:
+    CASES["tfdata"] = dict(kind="tfdata")
 TIMEOUT_S = 300
 
 
@@ -96,6 +105,7 @@ def test_each_process_divides_its_input(two_processes, name):
         "dataloader": "DataLoader",
         "pydataset": "PyDataset",
         "generator": "generator",
+        "tfdata": "tf.data",
     }
     kind = kinds[CASES[name]["kind"]]
     for result in two_processes[name]:
@@ -124,6 +134,19 @@ def test_each_process_loads_the_rows_its_devices_hold(two_processes, one_device)
     for result in two_processes["dataloader"]:
         assert result["loaded"] == 2 * share + 64
         assert result["loaded"] <= alone / 2 + 2 * 64
+
+
+@pytest.mark.skipif(not HAS_TF, reason="a tf.data pipeline needs TensorFlow")
+def test_each_process_maps_its_rows_of_a_tf_data_pipeline(two_processes, one_device):
+    alone = one_device["tfdata"]["loaded"]
+    batches = [64] * 15 + [43] + [64] * 4 + [45]
+    assert 2 * sum(batches) <= alone <= 2 * sum(batches) + 3 * 64
+    # The rows its devices hold (a batch the 8 devices do not divide is
+    # placed, so mapped, whole), and what the prefetch maps ahead when an
+    # iteration is abandoned (Keras's first look at the data).
+    share = sum(b // 2 if b % 8 == 0 else b for b in batches)
+    for result in two_processes["tfdata"]:
+        assert 2 * share <= result["loaded"] <= 2 * share + 3 * 64
 
 
 def test_each_process_makes_half_a_pydatasets_batches(two_processes, one_device):

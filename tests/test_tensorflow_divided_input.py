@@ -38,6 +38,7 @@ CASES = {
     "arrays": dict(kind="arrays"),
     "pydataset": dict(kind="pydataset"),
     "generator": dict(kind="generator"),
+    "tfdata": dict(kind="tfdata"),
 }
 if HAS_TORCH:
     CASES["dataloader"] = dict(kind="dataloader")
@@ -107,6 +108,7 @@ def test_each_worker_divides_its_input(two_workers, name):
         "dataloader": "DataLoader",
         "pydataset": "PyDataset",
         "generator": "generator",
+        "tfdata": "tf.data",
     }
     kind = kinds[CASES[name]["kind"]]
     for result in two_workers[name]:
@@ -119,6 +121,7 @@ def test_the_first_fit_says_how_its_input_is_divided(two_workers):
     assert "Input: PyDataset, batches made round-robin by 2 processes" in out
     assert "Input: generator, drawn by process 0 alone" in out
     assert "Input: arrays, read whole by each of 2 processes" in out
+    assert "Input: tf.data, each of 2 processes maps only its rows" in out
     if HAS_TORCH:
         assert "Input: DataLoader, each of 2 processes loads its rows" in out
 
@@ -156,6 +159,20 @@ def test_one_worker_draws_the_generator(two_workers, one_device):
     # further ahead than one device's (trained on in the next epoch).
     assert drawn[1] == 2 * 64, (drawn, alone)
     assert alone <= drawn[0] <= alone + 2 * 64, (drawn, alone)
+
+
+def test_each_worker_maps_its_rows_of_a_tf_data_pipeline(two_workers, one_device):
+    alone = one_device["tfdata"]["loaded"]
+    batches = TRAIN + VALIDATION
+    assert 2 * sum(batches) <= alone <= 2 * sum(batches) + 3 * 64
+    for worker, result in enumerate(two_workers["tfdata"]):
+        share = sum(
+            replica_rows(b, 2 * worker) + replica_rows(b, 2 * worker + 1)
+            for b in batches
+        )
+        # Its replicas' rows of every batch, and what the prefetch maps
+        # ahead when an iteration is abandoned (Keras's first look).
+        assert 2 * share <= result["loaded"] <= 2 * share + 3 * 64
 
 
 def test_a_worker_whose_pipeline_raises_is_the_one_reported(tmp_path):

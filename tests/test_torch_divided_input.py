@@ -1,7 +1,8 @@
 """Each torch rank prepares only its rows of every global batch.
 
-Two ranks fit, validate, evaluate and predict through arrays and a torch
-`DataLoader` over a map-style dataset (shuffled, uneven last batch): the
+Two ranks fit, validate, evaluate and predict through arrays, a torch
+`DataLoader` over a map-style dataset (shuffled, uneven last batch), a
+`PyDataset`, a generator and a `tf.data` pipeline with a map: the
 rows each rank's pipeline prepared are about half of one device's, and the
 weights, History, evaluation and predictions equal one process's, the
 split proven by the rows each rank's steps computed.
@@ -23,6 +24,7 @@ CASES = {
     # Several workers: Keras's own enqueuer, read whole by every rank.
     "pydataset_workers": dict(kind="pydataset", num_workers=2, shuffle=False),
     "generator": dict(kind="generator"),
+    "tfdata": dict(kind="tfdata"),
 }
 
 
@@ -69,6 +71,7 @@ def test_each_rank_divides_its_input(two_ranks, name):
         "dataloader": "DataLoader",
         "pydataset": "PyDataset",
         "generator": "generator",
+        "tfdata": "tf.data",
     }
     divided = name != "pydataset_workers"
     for result in two_ranks[name]:
@@ -115,6 +118,19 @@ def test_one_rank_draws_the_generator(two_ranks, one_process):
     # Rank 0 draws what one process draws; rank 1 only the 2 batches Keras
     # peeks when fit starts (for the data's shapes), never trained on.
     assert drawn == [alone, 2 * 64], drawn
+
+
+def test_each_rank_maps_about_half_a_tf_data_pipelines_rows(two_ranks, one_process):
+    alone = one_process["tfdata"]["loaded"]
+    # 2 epochs of 1003 rows and of 301 for validation, and what Keras's
+    # first look at the data and the prefetch map ahead (a batch or two).
+    assert 2 * (1003 + 301) <= alone <= 2 * (1003 + 301) + 3 * 64
+    mapped = [r["loaded"] for r in two_ranks["tfdata"]]
+    for rank_mapped in mapped:
+        # Its rows of each global batch (22 or 21 of 43), with the same
+        # slack: at most half the epochs and three batches, where a rank
+        # mapping every row maps at least 2608.
+        assert rank_mapped <= alone / 2 + 3 * 64, mapped
 
 
 def test_a_rank_whose_pipeline_raises_is_the_one_reported():

@@ -45,6 +45,12 @@ def input_line(kind, divided, processes, how=None):
             f"Input: generator, drawn by process 0 alone, each of {processes} "
             "processes receiving its rows"
         )
+    if divided and kind == "tf.data":
+        return (
+            f"Input: tf.data, each of {processes} processes maps only its rows "
+            "of every global batch (the source and a shuffle before the maps "
+            "run whole in each)"
+        )
     if divided:
         return (
             f"Input: {kind}, each of {processes} processes loads its rows of "
@@ -52,8 +58,9 @@ def input_line(kind, divided, processes, how=None):
         )
     return (
         f"Input: {kind}, read whole by each of {processes} processes, each "
-        "keeping its rows (a map-style DataLoader, a PyDataset of one worker "
-        "and a generator divide the work; see docs/multihost.md)"
+        "keeping its rows (a map-style DataLoader, a PyDataset of one worker, "
+        "a generator and a tf.data pipeline of a source of known length, "
+        "maps and a batch divide the work; see docs/multihost.md)"
     )
 
 

@@ -20,9 +20,14 @@ and the order staying one device's:
   reads and deletes it (no collective: process 0 draws on while the
   others read).
 
+- a `tf.data.Dataset` whose last steps are row-wise maps and a batch:
+  each process maps only its rows of each global batch
+  (`keras_parallel.input.tf_data_rows`), placed as a loader's are.
+
 Arrays are sliced from every process's own copy (a copy of the batch's
-rows, no conversion), each placing only its rows; a `tf.data.Dataset` and
-Grain are read whole by every process. The chief says how, once per kind.
+rows, no conversion), each placing only its rows; another `tf.data`
+pipeline and Grain are read whole by every process. The chief says how,
+once per kind.
 """
 
 import collections
@@ -34,7 +39,7 @@ import numpy as np
 
 from keras_parallel.backends.jax import processes
 from keras_parallel.backends.jax.keras_compat import data_adapter_utils, tree
-from keras_parallel.input import kinds, rank_loader
+from keras_parallel.input import kinds, rank_loader, tf_data_rows
 from keras_parallel.keras_compat import print_msg
 
 _END = "keras_parallel: end of the epoch"
@@ -62,6 +67,7 @@ class DividedInput:
         self.kinds = {}
         self._parts = collections.OrderedDict()  # id(leaf) -> (leaf, rows, start)
         self._rank_loaders = {}  # id(loader) -> (loader, its rank loader)
+        self._rows_datasets = {}  # id(dataset) -> (dataset, its RowsDataset)
 
     def iterator(self, adapter, *args, previous, **kwargs):
         """A data adapter's `get_jax_iterator`, divided where it can be.
@@ -160,6 +166,8 @@ class DividedInput:
         loader = getattr(adapter, "_dataloader", None)
         if kind == "DataLoader" and rank_loader.divisible(loader):
             return self._loader_batches(loader)
+        if kind == "tf.data":
+            return self._tf_data_batches(adapter._dataset)
         return None
 
     def _pydataset_batches(self, adapter):
@@ -206,18 +214,36 @@ class DividedInput:
         iterator = iter(own)
         sizes = own.batch_sampler.sizes  # This iteration's.
         for batch in iterator:
-            rows = sizes.popleft()
-            start, _ = self.rows_of(rows)
             batch = tuple(
                 tree.map_structure(
                     lambda x: np.asarray(x.cpu()), batch, none_is_leaf=False
                 )
             )
-            for leaf in tree.flatten(batch):
-                self._parts[id(leaf)] = (leaf, rows, start)
-            while len(self._parts) > _KEPT_PARTS:
-                self._parts.popitem(last=False)
-            yield batch
+            yield self._remembered(batch, sizes.popleft())
+
+    def _tf_data_batches(self, dataset):
+        kept = self._rows_datasets.get(id(dataset))
+        if kept is None or kept[0] is not dataset:
+            kept = (dataset, tf_data_rows.rows_dataset(dataset, self.rows_of))
+            self._rows_datasets[id(dataset)] = kept
+        own = kept[1]
+        if own is None:
+            return None
+        return (
+            self._remembered(tree.map_structure(np.asarray, part), int(rows))
+            for rows, part in own.dataset
+        )
+
+    def _remembered(self, batch, rows):
+        """`batch`, this process's rows of a global batch of `rows` rows
+        (or all of them), remembered for `place`."""
+        leaves = tree.flatten(batch)
+        start = 0 if len(leaves[0]) == rows else self.rows_of(rows)[0]
+        for leaf in leaves:
+            self._parts[id(leaf)] = (leaf, rows, start)
+        while len(self._parts) > _KEPT_PARTS:
+            self._parts.popitem(last=False)
+        return batch
 
 
 def _key(run, position, process):

@@ -18,7 +18,10 @@ global batch and the order stay one device's:
   others' batches (each holds its rows of one group, `W` batches, at a
   time);
 - a generator: worker 0 alone draws each batch and hands every other
-  worker its rows.
+  worker its rows;
+- a `tf.data.Dataset` whose last steps are row-wise maps and a batch:
+  each worker maps only its rows (`keras_parallel.input.tf_data_rows`),
+  cut into its replicas' pieces inside `tf.data`.
 
 The rows travel through TensorFlow's coordination service (the key-value
 store `MultiWorkerMirroredStrategy` starts), not a collective: Keras's
@@ -27,7 +30,7 @@ would race the training step's. A reader polls the store, so no thread
 waits inside TensorFlow holding Python's lock.
 
 Arrays are sliced by `tf.data` from every worker's own copy (cheap: no
-Python work per row) and a `tf.data.Dataset` is read whole by every
+Python work per row) and another `tf.data` pipeline is read whole by every
 worker; worker 0 says so, once per kind (docs/multihost.md).
 """
 
@@ -41,7 +44,7 @@ import tensorflow as tf
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import data_adapter_utils, tree
 from keras_parallel.backends.tensorflow.strategies import PER_REPLICA
-from keras_parallel.input import kinds, rank_loader
+from keras_parallel.input import kinds, rank_loader, tf_data_rows
 
 _END = "keras_parallel: end of the epoch"
 _KEY = "keras_parallel/input"
@@ -84,6 +87,8 @@ class DividedInput:
         """
         keras_dataset = previous(adapter)
         kind = kinds.input_kind(adapter)
+        if kind == "tf.data":
+            return self._tf_data_pieces(adapter, keras_dataset)
         spec = _piece_spec(getattr(adapter, "_output_signature", None))
         source = None if spec is None else self._source(adapter, kind)
         self.kinds.setdefault(kind, source is not None)
@@ -97,6 +102,34 @@ class DividedInput:
         )
         setattr(dataset, PER_REPLICA, True)
         return dataset
+
+    def _tf_data_pieces(self, adapter, dataset):
+        """This worker's rows of a `tf.data` pipeline's batches, cut into
+        its replicas' pieces, or the pipeline itself where it cannot be
+        divided."""
+        own = tf_data_rows.rows_dataset(dataset, self.rows_of)
+        self.kinds.setdefault("tf.data", own is not None)
+        tf_workers.say_input(adapter, divided=own is not None)
+        if own is None:
+            return dataset
+        first, replicas = self.worker * self.per_worker, self.replicas
+
+        def pieces(rows, part):
+            whole = tf.shape(tree.flatten(part)[0], out_type=tf.int64)[0] == rows
+            start = tf.where(whole, tf.constant(0, tf.int64), rows * first // replicas)
+            bounds = tf.stack(
+                [
+                    rows * (first + k) // replicas - start
+                    for k in range(self.per_worker + 1)
+                ]
+            )
+            return tf.data.Dataset.from_tensor_slices((bounds[:-1], bounds[1:])).map(
+                lambda a, b: tree.map_structure(lambda x: x[a:b], part)
+            )
+
+        divided = own.dataset.flat_map(pieces)
+        setattr(divided, PER_REPLICA, True)
+        return divided
 
     def rows_of(self, rows, worker=None):
         """`(start, stop)`: a worker's rows of a global batch of `rows` rows:

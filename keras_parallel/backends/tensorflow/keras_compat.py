@@ -58,6 +58,7 @@ _ADAPTER_CLASSES = (
     ("generator_data_adapter", "GeneratorDataAdapter"),
     ("py_dataset_adapter", "PyDatasetAdapter"),
     ("torch_data_loader_adapter", "TorchDataLoaderAdapter"),
+    ("tf_dataset_adapter", "TFDatasetAdapter"),
 )
 DATA_ADAPTERS = tuple(
     getattr(internal(f"{_adapters}.{module}", f"{name}.get_tf_dataset"), name)

@@ -17,17 +17,19 @@ gathered predictions): each batch this loader yields is remembered with it
 passes from the loader to the step untouched.
 
 A `PyDataset` and a generator, which make whole global batches, are made
-by one rank each and shared (`shared_batches`). Inputs a rank cannot load a
-share of (an `IterableDataset`, a loader without a batch sampler, an
-infinite `PyDataset`, a `tf.data.Dataset`) are iterated whole on every
-rank, each rank keeping its rows, as before.
+by one rank each and shared (`shared_batches`). A `tf.data.Dataset` whose
+last steps are row-wise maps and a batch maps only this rank's rows
+(`keras_parallel.input.tf_data_rows`). Inputs a rank cannot load a share
+of (an `IterableDataset`, a loader without a batch sampler, an infinite
+`PyDataset`, another `tf.data` pipeline) are iterated whole on every rank,
+each rank keeping its rows, as before.
 """
 
 import weakref
 
 from keras_parallel.backends.torch import shared_batches
 from keras_parallel.backends.torch.batches import split_rows
-from keras_parallel.input import kinds, rank_loader
+from keras_parallel.input import kinds, rank_loader, tf_data_rows
 from keras_parallel.keras_compat import print_msg
 
 
@@ -89,6 +91,16 @@ class DividedInput:
                 )
                 return shared_batches.generator_batches(numpy_batches, world_size, rank)
 
+        elif kind == "tf.data":
+            own = tf_data_rows.rows_dataset(
+                adapter._dataset, lambda rows: split_rows(rows, world_size, rank)[:2]
+            )
+            if own is None:
+                return None
+
+            def batches():
+                return _tf_data_batches(own)
+
         else:
             return None
         return _Shared(self, loader, batches)
@@ -130,6 +142,9 @@ class DividedInput:
         kept = []
         try:
             for rows, batch in pairs:
+                if rows is None:  # A whole global batch.
+                    yield batch
+                    continue
                 self._global_rows[id(batch)] = (batch, rows)
                 kept.append(id(batch))
                 if len(kept) > 64:
@@ -139,6 +154,19 @@ class DividedInput:
             for key in kept:
                 self._global_rows.pop(key, None)
             pairs.close()
+
+
+def _tf_data_batches(own):
+    """`(global rows, this rank's rows)` of a `RowsDataset`, converted as
+    Keras converts a `tf.data` batch (`global rows` None where the rank
+    reads the whole batch)."""
+    from keras import ops, tree
+
+    for rows, part in own.dataset:
+        rows = int(rows)
+        batch = tree.map_structure(ops.convert_to_tensor, part, none_is_leaf=False)
+        whole = len(tree.flatten(batch)[0]) == rows
+        yield (None if whole else rows), batch
 
 
 class _Shared:
