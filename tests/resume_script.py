@@ -14,7 +14,8 @@ launcher. Once `OUT/killpoint` exists, no
 process is killed again (a restarted run trains to the end). The model's
 first layer is a `split_probe` probe; each process writes the rows it
 recorded to `OUT/records<rank>-<run>.json` (the run: how many killpoints
-existed at its start, 0 or 1). Run directly (one process) or through
+existed at its start, 0 or 1). With `RESUME_INPUT=pydataset` in the
+environment it trains on a `PyDataset` instead of arrays. Run directly (one process) or through
 `keras-parallel launch`. The tests import `build` and `train` for the
 uninterrupted reference.
 """
@@ -61,12 +62,30 @@ def data():
     return x, y
 
 
-def train(model, callbacks=()):
+def batches():
+    """The data as a `keras.utils.PyDataset` of 7 batches of 32 (the last of
+    11), whose batches the processes make round-robin (divided input)."""
     x, y = data()
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 7
+
+        def __getitem__(self, i):
+            return x[i * 32 : (i + 1) * 32], y[i * 32 : (i + 1) * 32]
+
+    return Batches()
+
+
+def train(model, callbacks=(), source="arrays"):
+    """Fits 4 shuffled epochs of arrays, or (`source="pydataset"`) of
+    `batches()` (its batch order shuffled)."""
+    x, y = data()
+    inputs = dict(x=x, y=y, batch_size=32)
+    if source == "pydataset":
+        inputs = dict(x=batches())
     return model.fit(
-        x,
-        y,
-        batch_size=32,
+        **inputs,
         epochs=EPOCHS,
         shuffle=True,
         verbose=0,
@@ -131,7 +150,7 @@ def main(out, backup, kill=None):
         callbacks.append(Kill(out, kill))
     split_probe.clear()
     try:
-        train(model, callbacks)
+        train(model, callbacks, os.environ.get("RESUME_INPUT", "arrays"))
     finally:
         with open(os.path.join(out, f"records{_rank()}-{run}.json"), "w") as f:
             json.dump(split_probe.records(), f)

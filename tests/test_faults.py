@@ -13,9 +13,12 @@ with SIGTERM or SIGINT), and
   random state in the backup (`keras_parallel.persistence.backup`).
 
 One JAX process with 8 devices, 2 JAX processes x 4 devices, 2 torch
-processes. Every launch has a hard timeout.
+processes. The preempted launcher's run trains on a `PyDataset` whose
+batches the processes make round-robin (divided input) and resumes it
+mid-epoch. Every launch has a hard timeout.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +29,8 @@ import keras
 import numpy as np
 import pytest
 from subprocesses import checkout_env, gone, run_in_session, running
+
+from keras_parallel.persistence import backup as backup_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")
@@ -102,11 +107,11 @@ def final_weights(out):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k[4:]))]
 
 
-def reference_in_process():
+def reference_in_process(source="arrays"):
     import resume_script
 
     model = resume_script.build()
-    resume_script.train(model)
+    resume_script.train(model, source=source)
     return [np.asarray(w) for w in model.get_weights()]
 
 
@@ -133,15 +138,24 @@ def test_one_jax_process_killed_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted_run(tmp_path_factory, source="arrays"):
     """The final weights of an uninterrupted run, and the tolerance."""
     if BACKEND == "jax":
-        return reference_in_process(), 1e-5  # 2 x 4 devices = 1 x 8.
+        return reference_in_process(source), 1e-5  # 2 x 4 devices = 1 x 8.
+    # torch: 2 ranks (each rank draws its own dropout masks).
     reference = tmp_path_factory.mktemp("reference")
-    result = run(2, reference, reference / "backup")
+    result = run_in_session(
+        command(2, reference, reference / "backup"),
+        checkout_env(KERAS_BACKEND=BACKEND, RESUME_INPUT=source),
+        TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return final_weights(reference), 1e-6
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return uninterrupted_run(tmp_path_factory)
 
 
 def start(processes, out, *args, **variables):
@@ -254,21 +268,31 @@ def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterru
 
 @jax_and_torch
 def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
-    tmp_path, uninterrupted
+    tmp_path, tmp_path_factory
 ):
     # A scheduler's SIGTERM to `keras-parallel launch` reaches every
     # process, which stop at one step with the backup written (exit code
     # 75); the launcher exits with 75 and does not restart them.
+    # The input is a shuffled PyDataset, whose batches the processes make
+    # round-robin and exchange (divided input): resumed mid-epoch, each
+    # process passes over the batches already trained as one device does.
     backup = tmp_path / "backup"
+    env = checkout_env(KERAS_BACKEND=BACKEND, RESUME_INPUT="pydataset")
     result = run_in_session(
-        command(2, tmp_path, backup, "SIGTERM:launcher", restarts=1),
-        checkout_env(KERAS_BACKEND=BACKEND),
-        TIMEOUT_S,
+        command(2, tmp_path, backup, "SIGTERM:launcher", restarts=1), env, TIMEOUT_S
     )
     assert result.returncode == 75, result.stderr[-4000:]
     assert "preempted: every " in result.stderr
     assert "stopped at the same step" in result.stderr
     assert "restart" not in result.stderr.lower(), result.stderr[-4000:]
-    assert os.path.exists(backup / "training_metadata.json")
+    metadata = json.load(open(backup / "training_metadata.json"))
+    # Mid-epoch: the step the processes agreed on, in epoch 2.
+    assert metadata["epoch"] == 2, metadata
+    assert metadata[backup_module.METADATA_KEY]["steps_done"] >= 4, metadata
+    assert "Input: PyDataset, batches made round-robin" in result.stdout
     assert running(str(tmp_path)) == []
-    resume_and_compare(tmp_path, backup, uninterrupted)
+    resumed = run_in_session(command(2, tmp_path, backup), env, TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    expected, rtol = uninterrupted_run(tmp_path_factory, "pydataset")
+    assert_weights_equal(final_weights(tmp_path), expected, rtol)
+    assert running(str(tmp_path)) == []
