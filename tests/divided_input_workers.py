@@ -176,15 +176,14 @@ def run(kind, distributed=True, num_workers=0, shuffle=True, torch_seed=0):
     split_probe.clear()
     history = model.fit(**inputs, epochs=EPOCHS, verbose=0, callbacks=callbacks)
     split = split_probe.records()
-    evaluation = model.evaluate(
-        x, y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=callbacks[:1]
-    )
-    predictions = model.predict(
-        x[:203], batch_size=BATCH, verbose=0, callbacks=callbacks[:1]
+    # Evaluate and predict read the same kind of input, unshuffled.
+    evaluation, predictions, counted = evaluate_and_predict(
+        model, kind, x, y, callbacks[:1], num_workers
     )
     return {
         "rank": process_index(),
         "loaded": _loaded(kind, train, validation),
+        "loaded_after_fit": counted(),
         "weights": [np.asarray(w) for w in model.get_weights()],
         "history": {k: list(map(float, v)) for k, v in history.history.items()},
         "evaluation": {k: float(v) for k, v in evaluation.items()},
@@ -193,6 +192,47 @@ def run(kind, distributed=True, num_workers=0, shuffle=True, torch_seed=0):
         "divided": _divided_kinds(model),
         "keras": keras.version(),
     }
+
+
+def evaluate_and_predict(model, kind, x, y, callbacks, num_workers=0):
+    """`model.evaluate` and `model.predict` of all the rows through `kind`.
+
+    Returns:
+        `(evaluation, predictions, counted)`: `counted()` is the rows the
+        inputs prepared (None for arrays).
+    """
+    if kind == "arrays" or (kind == "pydataset" and num_workers > 1):
+        # A PyDataset of several workers is read whole, as `fit` read it.
+        inputs = [dict(x=x, y=y, batch_size=BATCH), dict(x=x[:203], batch_size=BATCH)]
+        counted = None
+    elif kind == "dataloader":
+        import torch
+
+        made = [Counted(x, y), Counted(x, y)]
+        inputs = [
+            dict(x=torch.utils.data.DataLoader(d, BATCH, num_workers=num_workers))
+            for d in made
+        ]
+        counted = [lambda d=d: d.loaded for d in made]
+    elif kind == "pydataset":
+        made = [CountedBatches(x, y), CountedBatches(x, y)]
+        inputs = [dict(x=d) for d in made]
+        counted = [lambda d=d: type(d).made for d in made]
+    elif kind == "generator":
+        made = [CountedGenerator(x, y), CountedGenerator(x, y)]
+        inputs = [dict(x=iter(d), steps=16) for d in made]
+        counted = [lambda d=d: d.drawn for d in made]
+    else:
+        made = [counted_pipeline(x, y, shuffle=False) for _ in range(2)]
+        inputs = [dict(x=dataset) for dataset, _ in made]
+        counted = [lambda m=m: m.mapped for _, m in made]
+    evaluation = model.evaluate(
+        **inputs[0], verbose=0, return_dict=True, callbacks=callbacks
+    )
+    predictions = model.predict(**inputs[1], verbose=0, callbacks=callbacks)
+    if counted is None:
+        return evaluation, predictions, lambda: None
+    return evaluation, predictions, lambda: [count() for count in counted]
 
 
 def process_index():
@@ -233,6 +273,25 @@ def assert_trained_as_one_device(result, reference):
     np.testing.assert_allclose(
         result["predictions"], reference["predictions"], rtol=1e-5, atol=1e-6
     )
+
+
+def assert_divided_after_fit(results, reference, kind):
+    """Each process prepared about its share of `evaluate`'s and `predict`'s
+    input (the 1003 rows once each on one device, and on TensorFlow the
+    batches Keras reads first for the element spec, in every process):
+    at most half and a batch, or (a generator) process 0 all of it and the
+    others only the 2 batches Keras peeks."""
+    counts = [result["loaded_after_fit"] for result in results]
+    for call, alone in enumerate(reference["loaded_after_fit"]):
+        spec = alone - ROWS  # Drawn for the element spec (TensorFlow).
+        assert spec in (0, BATCH, 2 * BATCH), reference["loaded_after_fit"]
+        for process, per_call in enumerate(counts):
+            if kind == "generator" and process == 0:
+                assert alone <= per_call[call] <= alone + 2 * BATCH, counts
+            elif kind == "generator":
+                assert per_call[call] <= 2 * BATCH, counts
+            else:
+                assert per_call[call] <= spec + ROWS / 2 + BATCH, counts
 
 
 def run_all(cases):

@@ -174,3 +174,13 @@ def test_a_process_whose_pipeline_raises_is_the_one_reported(tmp_path):
     assert "process 1 failed with exit code 1" in result.stderr
     assert time.monotonic() - start < 120
     assert running(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in CASES if n not in ("arrays", "pydataset_workers")]
+)
+def test_evaluate_and_predict_divide_their_input_too(name, two_processes, one_device):
+    # Their results equal one device's: test_two_*_train_as_one_*.
+    workers.assert_divided_after_fit(
+        two_processes[name], one_device[name], CASES[name]["kind"]
+    )

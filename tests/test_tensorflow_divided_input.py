@@ -86,6 +86,12 @@ def replica_rows(rows, replica, replicas=4):
     return rows * (replica + 1) // replicas - rows * replica // replicas
 
 
+def worker_rows(rows, worker):
+    """A worker's rows of a batch: its 2 replicas hold slices `worker` and
+    `2 + worker` of 4 (replica `r` of worker `w`: slice `r * 2 + w`)."""
+    return replica_rows(rows, worker) + replica_rows(rows, 2 + worker)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_workers_train_as_one_device(two_workers, one_device, name):
     reference = one_device[name]
@@ -134,10 +140,7 @@ def test_each_worker_loads_its_rows_of_every_batch(two_workers, one_device):
     # spec, once per loader.
     assert alone == 2 * sum(batches) + 2 * 64 + 2 * 64
     for worker, result in enumerate(two_workers["dataloader"]):
-        share = sum(
-            replica_rows(b, 2 * worker) + replica_rows(b, 2 * worker + 1)
-            for b in batches
-        )
+        share = sum(worker_rows(b, worker) for b in batches)
         assert result["loaded"] == 2 * share + 2 * 64 + 2 * 64
         assert result["loaded"] <= alone / 2 + 4 * 64
 
@@ -166,10 +169,7 @@ def test_each_worker_maps_its_rows_of_a_tf_data_pipeline(two_workers, one_device
     batches = TRAIN + VALIDATION
     assert 2 * sum(batches) <= alone <= 2 * sum(batches) + 3 * 64
     for worker, result in enumerate(two_workers["tfdata"]):
-        share = sum(
-            replica_rows(b, 2 * worker) + replica_rows(b, 2 * worker + 1)
-            for b in batches
-        )
+        share = sum(worker_rows(b, worker) for b in batches)
         # Its replicas' rows of every batch, and what the prefetch maps
         # ahead when an iteration is abandoned (Keras's first look).
         assert 2 * share <= result["loaded"] <= 2 * share + 3 * 64
@@ -183,3 +183,13 @@ def test_a_worker_whose_pipeline_raises_is_the_one_reported(tmp_path):
     assert "worker 1 failed with exit code 1" in result.stderr
     assert time.monotonic() - start < 120
     assert running(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in CASES if n not in ("arrays", "pydataset_workers")]
+)
+def test_evaluate_and_predict_divide_their_input_too(name, two_workers, one_device):
+    # Their results equal one device's: test_two_*_train_as_one_*.
+    workers.assert_divided_after_fit(
+        two_workers[name], one_device[name], CASES[name]["kind"]
+    )

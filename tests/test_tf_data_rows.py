@@ -62,6 +62,27 @@ def test_the_processes_rows_are_each_global_batch_every_epoch(
         assert all(len(p[epoch]) == len(batches) for p in own)
 
 
+def test_a_process_may_hold_several_ranges_of_each_batch():
+    # As a TensorFlow worker's 2 replicas hold slices w and 2 + w of 4.
+    def slices(worker):
+        return lambda rows: [
+            (rows * k // 4, rows * (k + 1) // 4) for k in (worker, 2 + worker)
+        ]
+
+    whole = list(pipeline().as_numpy_iterator())
+    own = [
+        list(
+            tf_data_rows.rows_dataset(pipeline(), slices(w)).dataset.as_numpy_iterator()
+        )
+        for w in (0, 1)
+    ]
+    for i, (x, _) in enumerate(whole):
+        (a, b), (c, d) = slices(0)(len(x))
+        np.testing.assert_array_equal(own[0][i][1][0], np.concatenate([x[a:b], x[c:d]]))
+        (a, b), (c, d) = slices(1)(len(x))
+        np.testing.assert_array_equal(own[1][i][1][0], np.concatenate([x[a:b], x[c:d]]))
+
+
 def test_a_share_that_would_be_empty_is_the_whole_batch():
     # 3 rows over 4 processes: process 0's share of the last batch is empty.
     rows = tf_data_rows.rows_dataset(pipeline(), process_rows(4, 0))

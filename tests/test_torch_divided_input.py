@@ -75,9 +75,10 @@ def test_each_rank_divides_its_input(two_ranks, name):
     }
     divided = name != "pydataset_workers"
     for result in two_ranks[name]:
-        # Evaluate and predict read arrays after a DataLoader's fit.
         assert result["divided"][kinds[kind]] is divided, result["divided"]
-        assert result["divided"]["arrays"] is True, result["divided"]
+        # Validation reads arrays after a PyDataset's or generator's fit.
+        assert set(result["divided"]) <= {kinds[kind], "arrays"}
+        assert result["divided"].get("arrays", True) is True
 
 
 def test_each_rank_loads_about_half_the_rows(two_ranks, one_process):
@@ -139,3 +140,16 @@ def test_a_rank_whose_pipeline_raises_is_the_one_reported():
     with pytest.raises(RuntimeError, match="batch 3 could not be decoded") as raised:
         launch(workers.pipeline_fails_on_rank_1, 2, timeout=120, collective_timeout=30)
     assert raised.value.rank == 1
+
+
+# A loader's worker processes count in their own copies: not here.
+COUNTED_AFTER_FIT = [n for n in CASES if n not in ("arrays", "pydataset_workers")]
+COUNTED_AFTER_FIT.remove("dataloader_workers")
+
+
+@pytest.mark.parametrize("name", COUNTED_AFTER_FIT)
+def test_evaluate_and_predict_divide_their_input_too(name, two_ranks, one_process):
+    # Their results equal one device's: test_two_*_train_as_one_*.
+    workers.assert_divided_after_fit(
+        two_ranks[name], one_process[name], CASES[name]["kind"]
+    )

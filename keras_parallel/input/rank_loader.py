@@ -11,6 +11,8 @@ is given.
 
 import collections
 
+from keras_parallel.input.row_ranges import as_ranges
+
 
 def divisible(loader):
     """Whether `loader` is a map-style `DataLoader` with a batch sampler."""
@@ -29,7 +31,8 @@ def rank_loader(loader, rows_of):
     Args:
         loader: a map-style `torch.utils.data.DataLoader` (`divisible`).
         rows_of: `rows_of(B)` is `(start, stop)`, this process's rows of a
-            global batch of `B` rows.
+            global batch of `B` rows, or a list of such ranges (its rows
+            are theirs, concatenated).
 
     Returns:
         A `DataLoader`; its `batch_sampler.sizes` holds the global sizes of
@@ -57,9 +60,9 @@ class _RankBatchSampler:
     def _indices(self, sizes):
         for indices in self.batch_sampler:
             indices = list(indices)
-            start, stop = self.rows_of(len(indices))
+            ranges = as_ranges(self.rows_of(len(indices)))
             sizes.append(len(indices))
-            yield indices[start:stop]
+            yield [i for start, stop in ranges for i in indices[start:stop]]
 
     def __len__(self):
         return len(self.batch_sampler)

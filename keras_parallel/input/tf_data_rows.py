@@ -20,6 +20,8 @@ tf.data's pipeline is read through its private attributes, listed in
 `TF_DATA_INTERNALS` and checked by `tests/test_tf_data_rows.py`.
 """
 
+from keras_parallel.input import row_ranges
+
 #: tf.data's private dataset classes and attributes read here.
 TF_DATA_INTERNALS = {
     "_BatchDataset": ("_input_dataset", "_batch_size", "_drop_remainder"),
@@ -59,8 +61,9 @@ def rows_dataset(dataset, rows_of):
 
     Args:
         dataset: the user's `tf.data.Dataset` of global batches.
-        rows_of: `rows_of(rows) -> (start, stop)`, this process's rows of a
-            global batch of `rows` rows.
+        rows_of: `rows_of(rows)`, this process's rows of a global batch of
+            `rows` rows: `(start, stop)`, or a list of such ranges in
+            increasing order (its part is their rows, concatenated).
 
     Returns:
         A `RowsDataset`, or None where the pipeline has no row-wise maps
@@ -82,7 +85,7 @@ def rows_dataset(dataset, rows_of):
     full = count // size if count >= 0 else -1  # -1: every batch full.
     last = count % size if count >= 0 and not drop else 0
     rows = [size, last or size]
-    bounds = [_own(rows_of, n) for n in rows]
+    full_ranges, last_ranges = (_own(rows_of, n) for n in rows)
 
     def batch_of(index):
         return index // size
@@ -92,22 +95,24 @@ def rows_dataset(dataset, rows_of):
             return tf.constant(size, tf.int64)
         return tf.where(b < full, tf.constant(size, tf.int64), last)
 
+    def within(j, ranges):
+        return tf.reduce_any([(j >= a) & (j < b) for a, b in ranges])
+
     def kept(index, _):
         b, j = batch_of(index), index % size
         in_full = tf.constant(True) if full < 0 else b < full
-        (fs, fe), (ls, le) = bounds
-        keep = in_full & (j >= fs) & (j < fe)
+        keep = in_full & within(j, full_ranges)
         if last:
-            keep |= ~in_full & (j >= ls) & (j < le)
+            keep |= ~in_full & within(j, last_ranges)
         elif full >= 0:
             keep &= in_full  # `drop_remainder`: the partial batch's rows.
         return keep
 
     def share(b):
-        (fs, fe), (ls, le) = bounds
+        full_share = tf.constant(_count(full_ranges), tf.int64)
         if full < 0:
-            return tf.constant(fe - fs, tf.int64)
-        return tf.where(b < full, tf.constant(fe - fs, tf.int64), le - ls)
+            return full_share
+        return tf.where(b < full, full_share, _count(last_ranges))
 
     own = source.enumerate().filter(kept).map(lambda i, e: (batch_of(i), e))
     for m in reversed(maps):
@@ -123,10 +128,14 @@ def rows_dataset(dataset, rows_of):
 
 
 def _own(rows_of, rows):
-    """This process's rows of a batch of `rows` rows; all of them where its
-    share would be empty (a batch of fewer rows than processes)."""
-    start, stop = rows_of(rows)
-    return (start, stop) if stop > start else (0, rows)
+    """This process's row ranges of a batch of `rows` rows; all of them
+    where its share would be empty (a batch of fewer rows than processes)."""
+    ranges = row_ranges.as_ranges(rows_of(rows))
+    return ranges if _count(ranges) else [(0, rows)]
+
+
+def _count(ranges):
+    return sum(stop - start for start, stop in ranges)
 
 
 def _batch_and_maps(dataset):

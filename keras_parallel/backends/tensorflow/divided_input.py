@@ -3,11 +3,13 @@
 Keras's TensorFlow trainer reads a data adapter's `get_tf_dataset` and
 distributes it (`experimental_distribute_dataset`): every worker then runs
 the whole pipeline and keeps its rows of each global batch. Across workers
-the `get_tf_dataset` of three adapters is replaced, while an entry point
+the `get_tf_dataset` of four adapters is replaced, while an entry point
 runs, by a data set of *this worker's rows only*, cut into its replicas'
 pieces (`per_replica`), which `strategies.ExactRun` distributes as one
-input pipeline per worker (`distribute_datasets_from_function`). Each
-global batch and the order stay one device's:
+input pipeline per worker (`distribute_datasets_from_function`). Replica
+`r` of worker `w` holds slice `r * W + w` of each global batch
+(`_slots`), where Keras's `predict` expects it. Each global batch and the
+order stay one device's:
 
 - a map-style torch `DataLoader`: each worker loads only its rows of each
   global batch (`keras_parallel.input.rank_loader`), from worker 0's torch
@@ -39,6 +41,7 @@ import itertools
 import pickle
 import time
 
+import numpy as np
 import tensorflow as tf
 
 from keras_parallel.backends.tensorflow import workers as tf_workers
@@ -112,18 +115,16 @@ class DividedInput:
         tf_workers.say_input(adapter, divided=own is not None)
         if own is None:
             return dataset
-        first, replicas = self.worker * self.per_worker, self.replicas
+        slots = self._slots()
 
         def pieces(rows, part):
+            starts = tf.stack([rows * k // self.replicas for k in slots])
+            sizes = tf.stack([rows * (k + 1) // self.replicas for k in slots]) - starts
+            # A whole batch (a worker's share would be empty) is cut at the
+            # slices' own rows.
             whole = tf.shape(tree.flatten(part)[0], out_type=tf.int64)[0] == rows
-            start = tf.where(whole, tf.constant(0, tf.int64), rows * first // replicas)
-            bounds = tf.stack(
-                [
-                    rows * (first + k) // replicas - start
-                    for k in range(self.per_worker + 1)
-                ]
-            )
-            return tf.data.Dataset.from_tensor_slices((bounds[:-1], bounds[1:])).map(
+            starts = tf.where(whole, starts, tf.cumsum(sizes, exclusive=True))
+            return tf.data.Dataset.from_tensor_slices((starts, starts + sizes)).map(
                 lambda a, b: tree.map_structure(lambda x: x[a:b], part)
             )
 
@@ -131,27 +132,32 @@ class DividedInput:
         setattr(divided, PER_REPLICA, True)
         return divided
 
-    def rows_of(self, rows, worker=None):
-        """`(start, stop)`: a worker's rows of a global batch of `rows` rows:
-        its replicas' slices, contiguous, in replica order (replica `r` of
-        `R` takes rows `[rows * r // R, rows * (r + 1) // R)`)."""
+    def _slots(self, worker=None):
+        """The global slices of a batch a worker's replicas hold, in their
+        order: replica `r` of worker `w` holds slice `r * W + w` of `R`
+        (slice `k`: rows `[rows * k // R, rows * (k + 1) // R)`), the
+        order Keras's `predict` puts the replicas' outputs back in across
+        workers (`_multi_worker_concat`)."""
         worker = self.worker if worker is None else worker
-        first = worker * self.per_worker
-        return (
-            rows * first // self.replicas,
-            rows * (first + self.per_worker) // self.replicas,
-        )
+        return [r * self.workers + worker for r in range(self.per_worker)]
+
+    def rows_of(self, rows, worker=None):
+        """A worker's rows of a global batch of `rows` rows: the ranges of
+        its replicas' slices (`_slots`), in increasing order."""
+        return [
+            (rows * k // self.replicas, rows * (k + 1) // self.replicas)
+            for k in self._slots(worker)
+        ]
 
     def _pieces(self, batches):
         """Each `(global rows, this worker's rows)` cut into its replicas'
         pieces, one element per replica."""
         for rows, local in batches:
-            start, _ = self.rows_of(rows)
-            first = self.worker * self.per_worker
-            for replica in range(first, first + self.per_worker):
-                a = rows * replica // self.replicas - start
-                b = rows * (replica + 1) // self.replicas - start
-                yield tree.map_structure(lambda x, a=a, b=b: x[a:b], local)
+            start = 0
+            for first, stop in self.rows_of(rows):
+                end = start + stop - first
+                yield tree.map_structure(lambda x, a=start, b=end: x[a:b], local)
+                start = end
 
     def _source(self, adapter, kind):
         """A function starting one run of `(rows, local rows)`, or None."""
@@ -233,9 +239,8 @@ class DividedInput:
         rows = _rows(batch)
         own = None
         for worker in range(self.workers):
-            start, stop = self.rows_of(rows, worker)
-            rows_of_worker = slice(start, stop)
-            part = (rows, tree.map_structure(lambda x, s=rows_of_worker: x[s], batch))
+            ranges = self.rows_of(rows, worker)
+            part = (rows, tree.map_structure(lambda x, r=ranges: _rows_in(x, r), batch))
             if worker == self.worker:
                 own = part
             else:
@@ -289,6 +294,11 @@ def _numpy(batch):
     a loader's list as the tuple Keras's element spec has."""
     batch = next(data_adapter_utils.get_numpy_iterator([batch]))
     return tuple(batch) if isinstance(batch, list) else batch
+
+
+def _rows_in(x, ranges):
+    """The rows of NumPy array `x` in `ranges`, concatenated."""
+    return np.concatenate([x[start:stop] for start, stop in ranges])
 
 
 def _rows(batch):
