@@ -58,10 +58,12 @@ def slice_rows(data, rows, start, stop):
 
 
 def checksum(data):
-    """A float64 sum of the first input of a batch (cheap data identity)."""
+    """A float64 sum of the first input of a batch (cheap data identity): a
+    tensor where the input is a tensor, left on its device (read on the
+    host only when the ranks compare their sums, `MetricStates.verify`)."""
     for leaf in tree.flatten(data):
         if isinstance(leaf, torch.Tensor):
-            return float(leaf.detach().sum(dtype=torch.float64))
+            return leaf.detach().sum(dtype=torch.float64)
         if isinstance(leaf, np.ndarray) and leaf.dtype != object:
             return float(np.sum(leaf, dtype=np.float64))
     return 0.0
@@ -140,24 +142,37 @@ def _describe_size(size):
     return ", ".join(parts)
 
 
-def check_same_batches(extra, rank, rows):
+def batch_spreads(sums):
+    """How far the ranks' batches differ, from the sums over the ranks of
+    `[1, rows, rows**2, check, check**2]`: `[rows spread, check spread]`,
+    each positive where some rank differs (a tensor, on `sums`' device:
+    nothing is read on the host)."""
+    ranks, total, squares, check, check_squares = sums
+    rows_spread = ranks * squares - total * total - 0.5
+    one = torch.ones_like(check)
+    check_spread = (
+        ranks * check_squares - check * check - 1e-9 * torch.maximum(one, check * check)
+    )
+    return torch.stack([rows_spread, check_spread])
+
+
+def check_same_batches(spreads, rank, rows, mean_rows):
     """Raises if the ranks saw global batches of different sizes or contents.
 
     Args:
-        extra: the sums over ranks of `[1, rows, rows**2, check, check**2]`.
+        spreads: the largest `batch_spreads` since the last check, on the
+            host.
         rank: this rank.
         rows: the rows this rank saw since the last check.
+        mean_rows: the mean of that over the ranks.
     """
-    ranks, total, squares, check, check_squares = extra
-    sizes_differ = abs(ranks * squares - total * total) > 0.5
-    spread = ranks * check_squares - check * check
-    data_differ = spread > 1e-9 * max(1.0, check * check)
+    sizes_differ, data_differ = (spread > 0 for spread in spreads)
     if sizes_differ or data_differ:
         what = "sizes" if sizes_differ else "contents"
         raise ValueError(
             f"The ranks received global batches of different {what} in the "
             f"same steps (rank {rank} had {rows:g} rows; mean over ranks "
-            f"{total / ranks:g}). Every rank must iterate the same data in "
+            f"{mean_rows:g}). Every rank must iterate the same data in "
             "the same order: give each process the whole data set (not a "
             "per-rank shard) with the same length; keras_parallel slices "
             "each global batch itself."

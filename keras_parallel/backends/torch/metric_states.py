@@ -8,14 +8,22 @@ additive states (sums and counts), as every built-in Keras metric has. The
 all-reduce that does it also carries the rows and a checksum of the batches
 each rank saw since, so that ranks fed other data fail alike
 (`batches.check_same_batches`), and any other numbers the caller adds (a
-custom step's logs, `step_logs.ReturnedLogs`).
+custom step's logs, `step_logs.ReturnedLogs`). Where the states are made
+global in every step (a callback reads each step's logs), the comparison
+stays on the device and is read once, when the states are next made
+global outside a step (`verify`): nothing but the logs themselves is read
+on the host per step.
 """
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_parallel.backends.torch.batches import check_same_batches, checksum
+from keras_parallel.backends.torch.batches import (
+    batch_spreads,
+    check_same_batches,
+    checksum,
+)
 
 
 class MetricStates:
@@ -40,6 +48,11 @@ class MetricStates:
         self._pending = None  # The states when last made global, flat.
         self._rows_seen = 0.0  # Rows and checksums since then.
         self._check_seen = 0.0
+        # Not yet read on the host: the largest spreads, this rank's rows
+        # and the rows over all ranks, since the last `verify`.
+        self._spreads = None
+        self._rows_unverified = 0.0
+        self._total_unverified = None
 
     @property
     def pending(self):
@@ -75,7 +88,7 @@ class MetricStates:
                 v.value.copy_(piece.to(v.value.dtype))
                 offset += n
 
-    def reduce(self, counted, extra=None):
+    def reduce(self, counted, extra=None, verify=True):
         """Makes the states global; sums `extra` over the ranks with them.
 
         Args:
@@ -83,13 +96,15 @@ class MetricStates:
                 rank counts a batch every rank computed whole).
             extra: an optional float64 tensor every rank adds to the same
                 all-reduce.
+            verify: whether to compare the ranks' batches now (one read on
+                the host); else the comparison waits for `verify`.
 
         Returns:
             `extra` summed over the ranks (empty without `extra`).
 
         Raises:
             ValueError: the ranks saw different batches since the last
-                reduction (`batches.check_same_batches`), on every rank.
+                comparison (`batches.check_same_batches`), on every rank.
         """
         before, self._pending = self._pending, None
         after = self.snapshot()
@@ -98,14 +113,38 @@ class MetricStates:
             delta = torch.zeros_like(delta)
         rows, check = self._rows_seen, self._check_seen
         self._rows_seen = self._check_seen = 0.0
-        checks = torch.tensor(
-            [1.0, rows, rows * rows, check, check * check], dtype=torch.float64
-        )
+        check = torch.as_tensor(check, dtype=torch.float64).to(delta.device)
+        rows_t = torch.tensor(rows, dtype=torch.float64, device=delta.device)
+        checks = torch.stack([torch.ones_like(rows_t), rows_t, rows_t * rows_t])
+        checks = torch.cat([checks, torch.stack([check, check * check])])
         if extra is None:
             extra = torch.zeros(0, dtype=torch.float64)
         n = delta.numel()
-        packed = torch.cat([delta, checks.to(delta.device), extra.to(delta.device)])
+        packed = torch.cat([delta, checks, extra.to(delta.device)])
         dist.all_reduce(packed)
-        check_same_batches(packed[n : n + len(checks)].tolist(), self.rank, rows)
         self.restore(before.to(after.device) + packed[:n])
+        sums = packed[n : n + len(checks)]
+        spreads = batch_spreads(sums)
+        if self._spreads is not None:
+            spreads = torch.maximum(spreads, self._spreads)
+            sums = sums + self._total_unverified
+        self._spreads, self._total_unverified = spreads, sums
+        self._rows_unverified += rows
+        if verify:
+            self.verify()
+        if not len(extra):
+            return extra
         return packed[n + len(checks) :].cpu()
+
+    def verify(self):
+        """Compares the ranks' batches since the last comparison (one read
+        on the host), raising on every rank if they differ."""
+        if self._spreads is None:
+            return
+        spreads, sums = self._spreads, self._total_unverified
+        rows = self._rows_unverified
+        self._spreads = self._total_unverified = None
+        self._rows_unverified = 0.0
+        host = torch.cat([spreads, sums]).cpu().tolist()
+        ranks, total = host[2], host[3]
+        check_same_batches(host[:2], self.rank, rows, total / max(ranks, 1.0))

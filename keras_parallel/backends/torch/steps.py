@@ -423,6 +423,8 @@ class RankSteps:
             self._global_step_logs or not self._in_step
         ):
             self._reduce_metrics()
+        elif not self._in_step:
+            self._metric_states.verify()  # What the steps' reductions left.
         return self._original_metrics_result()
 
     def _global_logs(self, returned):
@@ -465,7 +467,9 @@ class RankSteps:
         rank counts on one rank only (`_counts`).
         """
         counted = not self._global_step_logs or self._counts(self._whole)
-        return self._metric_states.reduce(counted, extra)
+        # Inside a step the batches' comparison waits (no host read per
+        # step); outside it (the epoch's end) it is read.
+        return self._metric_states.reduce(counted, extra, verify=not self._in_step)
 
     # -------------------------------------------------------- predict
     def _gather(self, outputs, rows):
