@@ -68,7 +68,7 @@ def _rows(x, y):
 
     class Rows(torch.utils.data.IterableDataset):
         def __iter__(self):
-            return iter(zip(torch.as_tensor(x), torch.as_tensor(y)))
+            return iter(zip(torch.as_tensor(x), torch.as_tensor(y), strict=True))
 
     return torch.utils.data.DataLoader(Rows(), batch_size=64)
 

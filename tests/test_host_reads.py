@@ -35,7 +35,9 @@ def two_ranks():
 
 
 @pytest.mark.parametrize(
-    "case", range(len(CASES)), ids=[f"{s}-{'logs' if l else 'quiet'}" for s, l in CASES]
+    "case",
+    range(len(CASES)),
+    ids=[f"{s}-{'logs' if logs else 'quiet'}" for s, logs in CASES],
 )
 def test_a_step_reads_no_more_than_one_device(two_ranks, case):
     source, read_logs = CASES[case]
