@@ -8,7 +8,9 @@ counted: `HostReads` counts them (a torch function mode for the tensor
 methods, the Python conversions patched for the span of the count).
 `reads_per_step` runs a small `fit` of `S` and of `2 S` steps and returns
 the difference divided by `S`: what each step reads, without what an
-epoch reads once.
+epoch reads once. On JAX, `jax_transfers_per_step` counts the same way
+the copies of `jax.Array` values to the host (`ArrayImpl._value` where
+no host copy is cached).
 """
 
 import os
@@ -61,6 +63,75 @@ def host_reads():
     return HostReads()
 
 
+def _small_model_fit(steps, callbacks, read_logs):
+    """A `fit` of a small model over `steps` batches of 64, run twice (the
+    first compiles); returns a function running the second."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * steps, 32)).astype("float32")
+    y = rng.normal(size=(64 * steps, 10)).astype("float32")
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(64, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
+    model.compile("sgd", "mse", metrics=["mae"])
+    callbacks = list(callbacks)
+    if read_logs:
+        callbacks.append(
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: [float(v) for v in logs.values()]
+            )
+        )
+    return model, x, y, callbacks
+
+
+def jax_transfers_per_step(distribution, read_logs, steps=8):
+    """The copies of device values to the host in one step of a small
+    model's `fit` on JAX.
+
+    Args:
+        distribution: `"keras"` (Keras's own `DataParallel`, set before the
+            model is built), `"keras_parallel"` (`ShardingCallback`), or
+            None (one device).
+        read_logs: a callback reads every batch's logs.
+        steps: `S`.
+    """
+    import keras
+    from jax._src import array as jax_array
+
+    import keras_parallel
+
+    def fit(steps):
+        if distribution == "keras":
+            keras.distribution.set_distribution(keras.distribution.DataParallel())
+        doors = []
+        if distribution == "keras_parallel":
+            doors = [keras_parallel.ShardingCallback(keras_parallel.DataParallel())]
+        try:
+            model, x, y, callbacks = _small_model_fit(steps, doors, read_logs)
+            options = dict(batch_size=64, epochs=1, verbose=0, callbacks=callbacks)
+            model.fit(x, y, **options)
+            copies = [0]
+            value = jax_array.ArrayImpl._value
+
+            def counted(array):
+                if array._npy_value is None:
+                    copies[0] += 1
+                return value.fget(array)
+
+            jax_array.ArrayImpl._value = property(counted)
+            try:
+                model.fit(x, y, **options)
+            finally:
+                jax_array.ArrayImpl._value = value
+            return copies[0]
+        finally:
+            keras.distribution.set_distribution(None)
+
+    return (fit(2 * steps) - fit(steps)) / steps
+
+
 def _rows(x, y):
     """A torch `IterableDataset` of the rows of `x`, `y` (tensors): an input
     each rank reads whole, whose batches the ranks compare by checksum."""
@@ -88,31 +159,14 @@ def reads_per_step(distributed, read_logs, source="arrays", steps=8):
     Returns:
         `{read: count per step}`.
     """
-    import keras
 
     import keras_parallel
 
     def fit(steps):
-        keras.utils.set_random_seed(0)
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(64 * steps, 32)).astype("float32")
-        y = rng.normal(size=(64 * steps, 10)).astype("float32")
-        inputs = keras.Input((32,))
-        hidden = keras.layers.Dense(64, activation="relu")(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
-        model.compile("sgd", "mse", metrics=["mae"])
-        callbacks = []
+        doors = []
         if distributed:
-            door = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
-            callbacks.append(door)
-        if read_logs:
-            callbacks.append(
-                keras.callbacks.LambdaCallback(
-                    on_train_batch_end=lambda batch, logs: [
-                        float(v) for v in logs.values()
-                    ]
-                )
-            )
+            doors = [keras_parallel.ShardingCallback(keras_parallel.DataParallel())]
+        model, x, y, callbacks = _small_model_fit(steps, doors, read_logs)
         inputs = dict(x=x, y=y, batch_size=64)
         if source == "iterable":
             inputs = dict(x=_rows(x, y))
