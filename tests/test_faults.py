@@ -37,8 +37,9 @@ SCRIPT = os.path.join(HERE, "resume_script.py")
 TIMEOUT_S = 240
 BACKEND = keras.backend.backend()
 
-# TensorFlow workers share the launcher's supervisor with JAX: the restart
-# and the killed worker are tested there too, the rest on JAX and torch.
+# TensorFlow workers share the launcher's supervisor with JAX: a killed
+# worker is tested there too (TensorFlow's own collectives must not hang on
+# it); the restart, the supervisor's alone, and the rest on JAX and torch.
 jax_and_torch = pytest.mark.skipif(
     BACKEND not in ("jax", "torch"), reason="tested on JAX and torch"
 )
@@ -252,6 +253,7 @@ def test_stopped_launcher_ends_every_process_and_its_backup_resumes(
     resume_and_compare(tmp_path, backup, uninterrupted)
 
 
+@jax_and_torch
 def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
     result = run_in_session(
