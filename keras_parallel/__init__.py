@@ -14,6 +14,8 @@ Public API:
 - `ShardingError`: the error bad layouts raise (a `ValueError`).
 - `ShardingWarning`: a large variable `shard=` must leave whole.
 - `split_cpu`: TensorFlow: split the CPU into N logical devices.
+- `ThroughputMonitor`: a callback adding samples/s, step time, TFLOP/s,
+  MFU and peak memory to `fit`'s logs.
 
 The names are imported on first use, so `import keras_parallel` (and the
 `keras-parallel` command) imports neither Keras nor a backend: the backend
@@ -46,6 +48,7 @@ _EXPORTS = {
     "describe": "keras_parallel.report",
     "restore_checkpoint": "keras_parallel.persistence.checkpoints",
     "split_cpu": "keras_parallel.backends.tensorflow.devices",
+    "ThroughputMonitor": "keras_parallel.throughput",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,8 @@ data set that needs no network) with plain `model.fit` under
 accuracy. The same functions serve the tests and benchmarks.
 """
 
+import os
+
 import numpy as np
 
 
@@ -124,6 +126,22 @@ def run(epochs=30, batch_size=32, seed=1, verbose=2):
         metrics=["accuracy"],
         distribution=distribution,
     )
-    model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, verbose=verbose)
+    monitor = keras_parallel.ThroughputMonitor()
+    history = model.fit(
+        x_train,
+        y_train,
+        batch_size=batch_size,
+        epochs=epochs,
+        verbose=verbose,
+        callbacks=[monitor],
+    )
+    if os.environ.get("RANK", "0") == "0":  # One line, from the first process.
+        logs = {key: values[-1] for key, values in history.history.items()}
+        if "samples_per_second" in logs:
+            print(
+                f"Throughput (last epoch): {logs['samples_per_second']:.0f} "
+                f"samples/s, {logs['samples_per_second_per_device']:.0f} per "
+                f"device, {logs['step_time_ms']:.1f} ms a step"
+            )
     _, accuracy = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
     return float(accuracy)

@@ -17,6 +17,7 @@ PUBLIC = [
     "ShardingCallback",
     "ShardingError",
     "ShardingWarning",
+    "ThroughputMonitor",
     "UnmatchedLayoutKeyWarning",
     "describe",
     "launch",

@@ -91,6 +91,8 @@ def test_demo_trains_on_two_devices_and_prints_the_plan():
     processes = "2 processes" if BACKEND == "torch" else "1 process"
     assert f"Backend: {BACKEND}, 2 devices in {processes}" in result.stdout
     assert "Test accuracy: " in result.stdout
+    assert "Throughput (last epoch): " in result.stdout
+    assert result.stdout.count("Throughput (last epoch): ") == 1
 
 
 @pytest.mark.parametrize("count", ["0", "two"])
