@@ -119,3 +119,41 @@ def test_a_distributed_fit_counts_the_global_batch_and_its_devices():
 def test_a_step_count_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="every_n_steps"):
         keras_parallel.ThroughputMonitor(every_n_steps=0)
+
+
+def _distributed_epoch():
+    model = dense_model()
+    x, y = data()
+    monitor = keras_parallel.ThroughputMonitor()
+    door = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        validation_data=data(301),
+        callbacks=[door, monitor],
+    )
+    logs = {k: v[-1] for k, v in history.history.items()}
+    return monitor.epochs[-1][0], logs["samples_per_second"] / logs[
+        "samples_per_second_per_device"
+    ]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch ranks")
+def test_torch_ranks_count_the_global_batch_and_every_rank():
+    from keras_parallel.launcher.torch_processes import launch
+
+    for samples, devices in launch(_distributed_epoch, 2, timeout=120):
+        assert samples == ROWS  # Not a rank's half.
+        assert devices == pytest.approx(2)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TF replicas")
+def test_tensorflow_replicas_count_the_global_batch_and_every_replica():
+    import tf_devices
+
+    samples, devices = _distributed_epoch()  # The suite's 4 logical devices.
+    assert samples == ROWS
+    assert devices == pytest.approx(tf_devices.NUM_DEVICES)
