@@ -288,9 +288,11 @@ def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
     assert "stopped at the same step" in result.stderr
     assert "restart" not in result.stderr.lower(), result.stderr[-4000:]
     metadata = json.load(open(backup / "training_metadata.json"))
-    # Mid-epoch: the step the processes agreed on, in epoch 2.
-    assert metadata["epoch"] == 2, metadata
-    assert metadata[backup_module.METADATA_KEY]["steps_done"] >= 4, metadata
+    # The step the processes agreed on: in epoch 2 (mid-epoch) where the
+    # agreement lands within its 13 steps, as on an idle machine; on a busy
+    # one it may land at the epoch's end (the backup then starts epoch 3).
+    steps_done = metadata[backup_module.METADATA_KEY]["steps_done"]
+    assert (metadata["epoch"], steps_done >= 4) in ((2, True), (3, False)), metadata
     assert "Input: PyDataset, batches made round-robin" in result.stdout
     assert running(str(tmp_path)) == []
     resumed = run_in_session(command(2, tmp_path, backup), env, TIMEOUT_S)
