@@ -158,10 +158,12 @@ def test_one_worker_draws_the_generator(two_workers, one_device):
     alone = one_device["generator"]["loaded"]
     drawn = [r["loaded"] for r in two_workers["generator"]]
     # Worker 1 draws only the 2 batches Keras peeks when fit starts; worker
-    # 0 draws the epochs once, its replicas' prefetch up to 2 batches
-    # further ahead than one device's (trained on in the next epoch).
+    # 0 draws the epochs once, its replicas' prefetch a few batches further
+    # ahead than one device's (trained on in the next epoch; after the last
+    # epoch, drawn and dropped): 2 usually, 3 seen once. Drawn by every
+    # worker, worker 1's count would be worker 0's.
     assert drawn[1] == 2 * 64, (drawn, alone)
-    assert alone <= drawn[0] <= alone + 2 * 64, (drawn, alone)
+    assert alone <= drawn[0] <= alone + 4 * 64, (drawn, alone)
 
 
 def test_each_worker_maps_its_rows_of_a_tf_data_pipeline(two_workers, one_device):
