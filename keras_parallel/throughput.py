@@ -217,15 +217,11 @@ def _layers(model):
 def _positions(layer):
     """How many times a layer applies its kernel to one sample."""
     try:
-        if isinstance(layer, keras.layers.Dense):
-            shape = layer.input.shape
-            inner = shape[1:-1]
+        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            inner = layer.input.shape[1:-1]
         elif "Conv" in type(layer).__name__:
             shape = layer.output.shape
             inner = shape[1:-1] if layer.data_format == "channels_last" else shape[2:]
-        elif isinstance(layer, keras.layers.EinsumDense):
-            shape = layer.input.shape
-            inner = shape[1:-1]
         else:
             return 0
     except (AttributeError, ValueError):  # Not called symbolically: once.
