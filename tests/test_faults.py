@@ -28,6 +28,7 @@ import time
 import keras
 import numpy as np
 import pytest
+from split_probe import assert_divided
 from subprocesses import checkout_env, gone, run_in_session, running
 
 from keras_parallel.persistence import backup as backup_module
@@ -299,4 +300,10 @@ def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     expected, rtol = uninterrupted_run(tmp_path_factory, "pydataset")
     assert_weights_equal(final_weights(tmp_path), expected, rtol)
+    # Both runs split every batch of 16 (8 devices on JAX, 2 ranks).
+    ways = 8 if BACKEND == "jax" else 2
+    for run_index in (0, 1):
+        for rank in (0, 1):
+            path = tmp_path / f"records{rank}-{run_index}.json"
+            assert_divided([tuple(r) for r in json.loads(path.read_text())], 16, ways)
     assert running(str(tmp_path)) == []
