@@ -40,8 +40,9 @@ def test_the_table_is_the_matrix_pins():
 
 def test_versions_are_placed_in_the_range():
     assert tested_versions.tested_range("torch", "2.13.0+cpu") == "tested"
-    assert tested_versions.tested_range("torch", "2.15.0") == (
-        "newer than tested (2.13.0 to 2.14.1)"
+    assert tested_versions.tested_range("torch", "2.14.1") == "tested"
+    assert tested_versions.tested_range("torch", "2.16.0") == (
+        "newer than tested (2.13.0 to 2.15.0)"
     )
     assert tested_versions.tested_range("jax", "0.8.1") == "tested"
     assert tested_versions.tested_range("jax", "0.6.2") == (
