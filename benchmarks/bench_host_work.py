@@ -91,8 +91,8 @@ class _ReadsLogs:
         return ReadsLogs()
 
 
-def _fit_seconds(model, x, y, callbacks=()):
-    """The second of 2 epochs, timed."""
+def _fit_seconds(model, x, y, callbacks=(), batch=BATCH, epochs=2):
+    """The last of `epochs` epochs, timed (`benchmarks/gpu_check.py` too)."""
     import keras
 
     times = []
@@ -107,8 +107,8 @@ def _fit_seconds(model, x, y, callbacks=()):
     model.fit(
         x,
         y,
-        batch_size=BATCH,
-        epochs=2,
+        batch_size=batch,
+        epochs=epochs,
         shuffle=False,
         verbose=0,
         callbacks=[Timer(), *callbacks],
@@ -176,11 +176,17 @@ def _torch_round(steps):
 
 # -------------------------------------------------------------------- JAX
 def _jax_loop_seconds(x, y):
+    return jax_loop_seconds(_model(distributed=False), x, y, BATCH)
+
+
+def jax_loop_seconds(model, x, y, batch):
+    """The JAX guide's `jax.jit` loop over `model`, 2 epochs of batches
+    split on the devices, the loss read every step: the second's seconds.
+    (`benchmarks/gpu_check.py` runs it too.)"""
     import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
 
-    model = _model(distributed=False)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     mesh = jax.make_mesh((len(jax.devices()),), ("batch",))
     split = NamedSharding(mesh, PartitionSpec("batch"))
@@ -200,9 +206,9 @@ def _jax_loop_seconds(x, y):
     seconds = 0.0
     for _epoch in range(2):
         start = time.perf_counter()
-        for s in range(0, len(x), BATCH):
-            inputs = jax.device_put(x[s : s + BATCH], split)
-            targets = jax.device_put(y[s : s + BATCH], split)
+        for s in range(0, len(x), batch):
+            inputs = jax.device_put(x[s : s + batch], split)
+            targets = jax.device_put(y[s : s + batch], split)
             value, trainable = step(trainable, fixed, inputs, targets)
             float(value)
         seconds = time.perf_counter() - start

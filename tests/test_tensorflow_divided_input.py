@@ -195,3 +195,53 @@ def test_evaluate_and_predict_divide_their_input_too(name, two_workers, one_devi
     workers.assert_divided_after_fit(
         two_workers[name], one_device[name], CASES[name]["kind"]
     )
+
+
+class _EmptyStore:
+    """A key-value store whose other workers never hand anything over."""
+
+    def set(self, key, value):
+        pass
+
+    def try_get(self, key):
+        return None
+
+    def delete(self, key):
+        pass
+
+
+class _TwoWorkers:
+    num_workers, worker_index, num_replicas_in_sync = 2, 1, 2
+
+
+def test_a_reader_waiting_for_a_worker_gone_gives_up_when_the_entry_point_ends():
+    # Preempted (or failed) mid-epoch, the other worker is gone while this
+    # one's prefetch waits for its rows; deleting the iterator at exit
+    # would wait for that reader for ever (seen: a hang in 1 of 20 runs of
+    # test_cluster_preemption). `close` at the entry point's end ends it.
+    import threading
+
+    from keras_parallel.backends.tensorflow.divided_input import DividedInput
+
+    divided = DividedInput(_TwoWorkers(), _EmptyStore())
+    reader = divided._generator_batches(adapter=None, run=divided._run())
+    taken = []
+    thread = threading.Thread(target=lambda: taken.extend(reader), daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    assert thread.is_alive()  # Waiting for worker 0's first batch.
+    start = time.monotonic()
+    divided.close()
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "the reader still waits after close()"
+    assert time.monotonic() - start < 1
+    assert taken == []  # It ended the run; it made up no batch.
+    # A run of the next entry point waits again, until its own close.
+    later = divided._generator_batches(adapter=None, run=divided._run())
+    thread = threading.Thread(target=lambda: taken.extend(later), daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    assert thread.is_alive()
+    divided.close()
+    thread.join(timeout=5)
+    assert not thread.is_alive()

@@ -29,16 +29,30 @@ The rows travel through TensorFlow's coordination service (the key-value
 store `MultiWorkerMirroredStrategy` starts), not a collective: Keras's
 `tf.data` runs these generators in its own threads, where a collective
 would race the training step's. A reader polls the store, so no thread
-waits inside TensorFlow holding Python's lock.
+waits inside TensorFlow holding Python's lock. When an entry point ends
+(`close`: its last batch, an error, a preemption's exit), a reader still
+waiting for another worker's rows gives up: deleting a `tf.data` iterator
+waits for its reading thread while holding Python's lock (at the latest
+when the process exits), and a reader that waited for a worker already
+gone would hold the process for ever. For the same reason the iterators
+left in reference cycles (Keras's, after a `Preempted` exit or an error)
+are collected when the process exits (`_collect_before_exit`), while its
+threads can still run Python: at the interpreter's own final collection a
+`tf.data` thread that calls Python is stopped by the interpreter, and the
+iterator's deletion waits for it for ever (seen: 1 exit in about 15 of a
+preempted worker).
 
 Arrays are sliced by `tf.data` from every worker's own copy (cheap: no
 Python work per row) and another `tf.data` pipeline is read whole by every
 worker; worker 0 says so, once per kind (docs/multihost.md).
 """
 
+import atexit
 import base64
+import gc
 import itertools
 import pickle
+import threading
 import time
 
 import numpy as np
@@ -54,6 +68,14 @@ _KEY = "keras_parallel/input"
 #: Each generator run's keys start with its number; the same on every
 #: worker, which starts the same runs in the same order.
 _runs = itertools.count()
+_collects_at_exit = False
+
+
+def _collect_before_exit():
+    """Deletes the `tf.data` iterators left in reference cycles while the
+    process's threads can still run Python (module docstring). Registered
+    after TensorFlow's own exit handlers, it runs before them."""
+    gc.collect()
 
 
 class DividedInput:
@@ -75,6 +97,25 @@ class DividedInput:
         #: (whether each was divided).
         self.kinds = {}
         self._rank_loaders = {}  # id(loader) -> (loader, its rank loader)
+        #: Counts the entry points closed (`close`); a run's readers give
+        #: up once it differs from theirs.
+        self._generation = 0
+        self._waiting = set()  # The threads of the readers inside `_take`.
+        global _collects_at_exit
+        if not _collects_at_exit:
+            _collects_at_exit = True
+            atexit.register(_collect_before_exit)
+
+    def close(self, wait_s=2.0):
+        """Ends the readers of this entry point's runs (module docstring).
+
+        Args:
+            wait_s: how long to wait for them to leave the store's poll.
+        """
+        self._generation += 1
+        deadline = time.monotonic() + wait_s
+        while self._waiting and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def dataset(self, adapter, previous):
         """A data adapter's `get_tf_dataset`, divided where it can be.
@@ -162,13 +203,17 @@ class DividedInput:
     def _source(self, adapter, kind):
         """A function starting one run of `(rows, local rows)`, or None."""
         if kind == "PyDataset" and kinds.shareable_pydataset(adapter):
-            return lambda: self._pydataset_batches(adapter, next(_runs))
+            return lambda: self._pydataset_batches(adapter, self._run())
         if kind == "generator":
-            return lambda: self._generator_batches(adapter, next(_runs))
+            return lambda: self._generator_batches(adapter, self._run())
         loader = getattr(adapter, "_dataloader", None)
         if kind == "DataLoader" and rank_loader.divisible(loader):
             return lambda: self._loader_batches(loader, next(_runs))
         return None
+
+    def _run(self):
+        """A new run: `(its number, the entry point's generation)`."""
+        return next(_runs), self._generation
 
     def _pydataset_batches(self, adapter, run):
         dataset = adapter.py_dataset
@@ -254,20 +299,27 @@ class DividedInput:
 
     def _put(self, run, position, worker, value):
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        key = f"{_KEY}/{run}/{position}/{worker}"
+        key = f"{_KEY}/{run[0]}/{position}/{worker}"
         self.store.set(key, base64.b64encode(payload).decode("ascii"))
 
     def _take(self, run, position):
-        """This worker's part at `position`, waiting for its maker."""
-        key = f"{_KEY}/{run}/{position}/{self.worker}"
+        """This worker's part at `position`, waiting for its maker (`_END`
+        once the run's entry point is closed)."""
+        key = f"{_KEY}/{run[0]}/{position}/{self.worker}"
         wait = 0.0005
-        while True:
-            value = self.store.try_get(key)
-            if value is not None:
-                self.store.delete(key)
-                return pickle.loads(base64.b64decode(value))
-            time.sleep(wait)  # Outside TensorFlow: the main thread runs.
-            wait = min(2 * wait, 0.02)
+        reader = threading.get_ident()
+        self._waiting.add(reader)
+        try:
+            while run[1] == self._generation:
+                value = self.store.try_get(key)
+                if value is not None:
+                    self.store.delete(key)
+                    return pickle.loads(base64.b64decode(value))
+                time.sleep(wait)  # Outside TensorFlow: the main thread runs.
+                wait = min(2 * wait, 0.02)
+            return _END
+        finally:
+            self._waiting.discard(reader)
 
     def _share_torch_random_state(self, loader):
         """Worker 0's torch random state (or the loader's generator's) on

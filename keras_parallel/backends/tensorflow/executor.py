@@ -236,6 +236,9 @@ class TensorFlowExecutor(Executor):
             ):
                 yield
         finally:
+            # Readers still waiting for a worker's rows give up (an error
+            # or a preemption ended the entry point mid-epoch).
+            self.divided_input.close()
             if chief_only is not None:
                 chief_only.uninstall()
 

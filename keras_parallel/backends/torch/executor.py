@@ -41,7 +41,7 @@ from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.creation import placed_creation
-from keras_parallel.backends.torch.flat_buffers import broadcast_flat
+from keras_parallel.backends.torch.flat_buffers import broadcast_flat, on_group_device
 from keras_parallel.backends.torch.model_parallel import MeshRunner, runs_on_mesh
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import DDPModule, RankSteps
@@ -185,7 +185,7 @@ class TorchExecutor(Executor):
         if model is not self._model:
             self._close_ddp()
         self._model = model
-        if self.num_processes == 1:
+        if not torch_group.is_distributed():
             # Plain Keras on one device; the binding says so
             # (`report.one_device_hint`).
             return
@@ -365,36 +365,38 @@ class TorchExecutor(Executor):
         return dist.get_rank() if torch_group.is_distributed() else 0
 
     def reduce(self, value, op="mean"):
-        if self.num_processes == 1:
+        if not torch_group.is_distributed():
             return value
         if op not in ("mean", "sum"):
             raise ValueError(
                 f"reduce supports op='mean' or 'sum'. Received: op={op!r}."
             )
-        tensor = torch.as_tensor(value, dtype=torch.float64).clone()
+        # On the group's device: NCCL takes CUDA tensors only.
+        tensor = on_group_device(torch.as_tensor(value, dtype=torch.float64).clone())
         dist.all_reduce(tensor)
         if op == "mean":
             tensor /= self.num_processes
         if isinstance(value, torch.Tensor):
-            return tensor.to(value.dtype)
+            return tensor.to(device=value.device, dtype=value.dtype)
+        tensor = tensor.cpu()
         if np.ndim(value) == 0:
             return float(tensor)
         return tensor.numpy()
 
     def broadcast(self, value, src=0):
-        if self.num_processes == 1:
+        if not torch_group.is_distributed():
             return value
         box = [value if self.process_index == src else None]
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def key_value_store(self):
-        if self.num_processes == 1:
+        if not torch_group.is_distributed():
             return super().key_value_store()
         return torch_group.KeyValueStore()
 
     def barrier(self):
-        if self.num_processes > 1:
+        if torch_group.is_distributed():
             dist.barrier()
 
 

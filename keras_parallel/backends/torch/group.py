@@ -15,6 +15,12 @@ under `FAILURE_KEY` in the group's store before re-raising, and a rank whose
 collective then breaks reads it and raises `PeerFailedError` naming that
 rank. Under `torchrun` and `launch` the store lives in the launcher, so it
 outlives any rank, rank 0 included.
+
+A group of one process is plain Keras on one device, unless
+`KERAS_PARALLEL_ONE_PROCESS_GROUP=1`: then the group is started (from the
+same variables, `WORLD_SIZE=1`) and the whole distributed path runs on it
+(DDP, the metrics' and the batch check's all-reduces, the executor's
+collectives), as `benchmarks/gpu_check.py` runs it on one GPU.
 """
 
 import atexit
@@ -36,6 +42,8 @@ FAILURE_KEY = "keras_parallel/failed"
 #: long a rank waits for a peer that died without a word.
 DEFAULT_TIMEOUT_S = 300
 TIMEOUT_ENV = "KERAS_PARALLEL_TIMEOUT"
+#: `"1"`: a group of one process runs the distributed path (module docstring).
+ONE_PROCESS_GROUP_ENV = "KERAS_PARALLEL_ONE_PROCESS_GROUP"
 
 _started_here = False
 _teardown_hooks = weakref.WeakSet()
@@ -77,9 +85,17 @@ def env_world_size():
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def one_process_group():
+    """Whether a group of one process runs the distributed path."""
+    return os.environ.get(ONE_PROCESS_GROUP_ENV) == "1"
+
+
 def is_distributed():
-    """Whether a process group of more than one process is running."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Whether a process group of more than one process is running (or of
+    one, with `one_process_group()`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size() > 1 or one_process_group()
 
 
 def ensure_process_group():
@@ -109,8 +125,9 @@ def ensure_process_group():
             )
         return False
     if dist.is_initialized():
-        return dist.get_world_size() > 1
-    if env_world_size() <= 1 or "MASTER_ADDR" not in os.environ:
+        return is_distributed()
+    alone = env_world_size() <= 1 and not one_process_group()
+    if alone or "MASTER_ADDR" not in os.environ:
         return False
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -135,7 +152,7 @@ def ensure_process_group():
             )
     _started_here = True
     atexit.register(teardown)
-    return dist.get_world_size() > 1
+    return is_distributed()
 
 
 @contextlib.contextmanager
