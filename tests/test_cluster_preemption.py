@@ -14,7 +14,9 @@ process sends itself SIGTERM or SIGUSR1, as a scheduler would to one task:
   both runs (`split_probe`).
 
 JAX: 2 processes x 4 devices; torch: 2 processes; TensorFlow: 2 workers x 2
-devices.
+devices, which divide a `PyDataset`'s batches (made round-robin, resumed
+mid-epoch; arrays on JAX and torch, whose divided PyDataset resumes in
+`tests/test_faults.py`).
 """
 
 import json
@@ -35,12 +37,20 @@ SETUPS = {
     "torch": (1, {"KERAS_PARALLEL_TIMEOUT": "60"}, 2, 1e-6),
     "tensorflow": (
         3,
-        {"KERAS_PARALLEL_DEVICES_PER_PROCESS": "2", "TF_CPP_MIN_LOG_LEVEL": "2"},
+        {
+            "KERAS_PARALLEL_DEVICES_PER_PROCESS": "2",
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            # The workers divide a PyDataset's batches and resume it
+            # mid-epoch (JAX and torch: tests/test_faults.py).
+            "RESUME_INPUT": "pydataset",
+        },
         4,
         1e-6,
     ),
 }
 PORTS, VARIABLES, WAYS, TOLERANCE = SETUPS[BACKEND]
+#: The global batch: 32 rows of arrays, 16 of the PyDataset.
+GLOBAL_BATCH = 16 if VARIABLES.get("RESUME_INPUT") == "pydataset" else 32
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +98,8 @@ def test_a_signal_to_one_process_stops_all_and_the_same_command_resumes(
     signalled_at = float((tmp_path / "killpoint").read_text().split()[1])
     assert ended - signalled_at < 60
     assert f"preempted ({signal_name} reached process 1)" in preempted.stderr
+    if GLOBAL_BATCH == 16:
+        assert "Input: PyDataset, batches made round-robin" in preempted.stdout
     metadata = json.loads((tmp_path / "backup/training_metadata.json").read_text())
     # Signalled after batch 3 of epoch 2: the processes stop there, or one
     # batch later where the other had already answered batch 3.
@@ -102,4 +114,4 @@ def test_a_signal_to_one_process_stops_all_and_the_same_command_resumes(
             records = json.loads(
                 (tmp_path / f"records{rank}-{run_index}.json").read_text()
             )
-            assert_divided([tuple(r) for r in records], 32, WAYS)
+            assert_divided([tuple(r) for r in records], GLOBAL_BATCH, WAYS)
