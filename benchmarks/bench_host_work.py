@@ -14,7 +14,11 @@ torch (2 gloo ranks, `keras_parallel.launch`, one torch thread each):
 - "fit": `fit` of a `DistributedModel`, `verbose=0`;
 - "fit_logs": the same with a callback that reads each batch's logs (what
   a progress bar does: the global loss every step);
-- "keras_one": plain Keras `fit` in one process (no keras_parallel).
+- "keras_one": plain Keras `fit` in one process (no keras_parallel);
+- "loop_one": the same hand-written loop in one process, no DDP, the
+  whole batch: with "keras_one" and "loop", what Keras's own step costs
+  and what DDP's all-reduce costs, so that `fit`'s excess over the anchor
+  splits into Keras's, DDP's and keras_parallel's own.
 
 JAX (8 simulated CPU devices, one process):
 
@@ -122,11 +126,13 @@ def _torch_loop_seconds(x, y, rank, world):
 
     model = _model(distributed=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    ignored = [n for n, p in model.named_parameters() if not p.is_floating_point()]
-    # gloo cannot broadcast an integer seed state; the guide (NCCL) can.
-    ddp_class = torch.nn.parallel.DistributedDataParallel
-    ddp_class._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    ddp = ddp_class(model)
+    ddp = model
+    if world > 1:
+        ignored = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+        # gloo cannot broadcast an integer seed state; the guide (NCCL) can.
+        ddp_class = torch.nn.parallel.DistributedDataParallel
+        ddp_class._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        ddp = ddp_class(model)
     optimizer = torch.optim.SGD(params, lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
     local = BATCH // world
@@ -156,6 +162,8 @@ def _torch_way(way, steps):
     x, y = _data(steps)
     if way == "keras_one":
         return _fit_seconds(_model(distributed=False), x, y)
+    if way == "loop_one":
+        return _torch_loop_seconds(x, y, 0, 1)
     keras_parallel.DataParallel()  # Starts the process group.
     rank, world = dist.get_rank(), dist.get_world_size()
     if way == "loop":
@@ -171,6 +179,7 @@ def _torch_round(steps):
     for way in ("loop", "fit", "fit_logs"):
         out[way] = max(launch(_torch_way, 2, args=(way, steps), timeout=600))
     out["keras_one"] = _torch_way("keras_one", steps)
+    out["loop_one"] = _torch_way("loop_one", steps)
     return out
 
 

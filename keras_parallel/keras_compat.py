@@ -241,4 +241,43 @@ OBJECT_ATTRIBUTES = {
     "keras.Model": ("_flatten_layers",),
     # The LayoutMap of a ModelParallel (plan, executors' checks, saving).
     "keras.distribution.ModelParallel": ("_layout_map",),
+    # The exact backup (`persistence/backup.py`) reads and sets Keras's own
+    # bookkeeping of where a run is; a preemption saves through it
+    # (`persistence/preemption.py`).
+    "keras.callbacks.BackupAndRestore": (
+        "_training_metadata_path",
+        "_prev_training_metadata_path",
+        "_weights_path",
+        "_current_epoch",
+        "_last_batch_seen",
+        "_batches_seen_since_last_saving",
+        "_save_model",
+    ),
+    # The input kinds (`input/kinds.py`, every backend's `divided_input`).
+    "TFDatasetAdapter": ("_dataset",),
+    "PyDatasetAdapter (its tf.data signature made)": ("_output_signature",),
+}
+
+#: Attributes of Keras objects that only exist in some versions or states,
+#: read with a default where missing; listed, not checked on objects.
+UNCHECKED_ATTRIBUTES = {
+    # Keras 3.16's data adapters: the epoch a shuffle is seeded by, and the
+    # processes a PyDataset's batches are split between (`input/kinds.py`;
+    # `persistence/backup.py` sets `_epoch` when a run resumes).
+    "data adapters (Keras 3.16)": ("_epoch", "_num_data_shards"),
+    # Set by Keras's BackupAndRestore on a resumed run, read by `fit`: the
+    # exact backup sets it where Keras's would (`persistence/backup.py`).
+    "keras.Model (resumed)": ("_initial_epoch",),
+}
+
+#: Private names of Python's own objects keras_parallel uses.
+OTHER_PRIVATE_NAMES = {
+    # A process that must end without running `atexit` (a failed rank).
+    "os": ("_exit",),
+    # The caller's frame (torch's `same_data`: who started an epoch).
+    "sys": ("_getframe",),
+    # Whether a module is still being imported (`keras_parallel/__init__`).
+    "module.__spec__": ("_initializing",),
+    # A `multiprocessing.SimpleQueue` polled with a timeout (`launch`).
+    "multiprocessing.SimpleQueue": ("_reader",),
 }

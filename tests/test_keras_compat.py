@@ -6,7 +6,9 @@ of the running backend, so each tox env (oldest Keras, latest, nightly)
 proves its Keras has them all.
 """
 
+import ast
 import importlib
+import tempfile
 
 import keras
 import numpy as np
@@ -43,6 +45,18 @@ def _owners():
 
     owners = {}
     try:
+        import tensorflow as tf
+        from keras.src.trainers.data_adapters.tf_dataset_adapter import (
+            TFDatasetAdapter,
+        )
+
+        owners["TFDatasetAdapter"] = TFDatasetAdapter(tf.data.Dataset.range(2).batch(1))
+        made = PyDatasetAdapter(Batches(), shuffle=False)
+        made.get_tf_dataset()
+        owners["PyDatasetAdapter (its tf.data signature made)"] = made
+    except ImportError:  # Without TensorFlow, no tf.data input.
+        pass
+    try:
         import torch
         from keras.src.trainers.data_adapters.torch_data_loader_adapter import (
             TorchDataLoaderAdapter,
@@ -62,7 +76,18 @@ def _owners():
         "keras.layers.BatchNormalization": model.layers[1],
         "keras.layers.Layer": model.layers[2],
         "keras.optimizers.Optimizer": model.optimizer,
+        "keras.callbacks.BackupAndRestore": keras.callbacks.BackupAndRestore(
+            tempfile.mkdtemp()
+        ),
     }
+
+
+#: Owners made only where their backend is installed (torch, TensorFlow).
+_NEEDS_ANOTHER_BACKEND = (
+    "TorchDataLoaderAdapter",
+    "TFDatasetAdapter",
+    "PyDatasetAdapter (its tf.data signature made)",
+)
 
 
 def _lists():
@@ -79,7 +104,7 @@ def test_every_listed_object_attribute_exists():
         for listing in _lists()
         for owner, names in listing.items()
         for name in names
-        if (owner in owners or owner != "TorchDataLoaderAdapter")
+        if (owner in owners or owner not in _NEEDS_ANOTHER_BACKEND)
         and not hasattr(owners[owner], name)
     ]
     assert not missing, f"keras=={keras.version()} lacks {missing}"
@@ -302,3 +327,53 @@ def test_design_doc_lists_every_replaced_target():
             f"docs/design.md's table of replaced targets differs from "
             f"REPLACED ({label}); write these rows there:\n" + "\n".join(expected)
         )
+
+
+# ---------------------------------------------------------- private names
+def test_every_private_name_the_source_uses_is_listed():
+    # Scanned from every backend's modules: a private name of Keras (or of
+    # a backend) used anywhere must be in a registry, and so checked here.
+    import private_names
+
+    unlisted = {
+        name: places
+        for name, places in private_names.foreign_private_names().items()
+        if name not in private_names.listed_names()
+    }
+    assert not unlisted, (
+        "private names of other packages used but not listed in a "
+        f"keras_compat module: {unlisted}"
+    )
+
+
+def test_keras_src_is_imported_by_the_compat_modules_only():
+    import private_names
+
+    assert private_names.keras_src_imports() == []
+
+
+def test_the_scan_finds_what_it_must_and_only_that():
+    import private_names
+
+    source = """
+import keras
+
+class Own:
+    def __init__(self):
+        self._mine = 1
+
+    def read(self, model):
+        return self._mine, model._keras_private
+
+
+class Backup(keras.callbacks.BackupAndRestore):
+    def on_train_begin(self, logs=None):
+        self._assigned_here = 0
+        return self._kept_by_keras, self._assigned_here
+
+
+def installed_on_keras(self):
+    return self._set_by_keras
+"""
+    found = private_names.foreign_private_names([("m.py", ast.parse(source))])
+    assert set(found) == {"_keras_private", "_kept_by_keras", "_set_by_keras"}

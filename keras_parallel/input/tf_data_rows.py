@@ -36,6 +36,8 @@ TF_DATA_INTERNALS = {
     "_PrefetchDataset": ("_input_dataset",),
     "_OptionsDataset": ("_input_dataset",),
 }
+#: The attribute of a map's `_map_func` that holds the user's function.
+TF_DATA_MAP_FUNCTION = "_func"
 _PASSED_THROUGH = ("_PrefetchDataset", "_OptionsDataset")
 _BATCHES = ("_BatchDataset", "_ParallelBatchDataset")
 _MAPS = ("_MapDataset", "_ParallelMapDataset")
@@ -157,7 +159,7 @@ def _batch_and_maps(dataset):
 
 def _map_again(own, map_dataset):
     """`own`'s rows (`(batch index, element)`) through the same map."""
-    function = map_dataset._map_func._func
+    function = getattr(map_dataset._map_func, TF_DATA_MAP_FUNCTION)
     parallel = getattr(map_dataset, "_num_parallel_calls", None)
     deterministic = {"true": True, "false": False}.get(
         getattr(map_dataset, "_deterministic", "default")

@@ -222,3 +222,21 @@ OBJECT_ATTRIBUTES = {
         "_trainable_variables_indices",
     ),
 }
+
+#: Attributes of Keras objects that exist only in some states; listed, not
+#: checked on objects.
+UNCHECKED_ATTRIBUTES = {
+    # The distributed data set of Keras's TensorFlow epoch iterator, made
+    # when it first iterates; the model is built from its element spec
+    # (`element_spec_build.py`).
+    "TFEpochIterator (iterating)": ("_distributed_dataset",),
+}
+
+#: Private names of TensorFlow keras_parallel uses.
+OTHER_PRIVATE_NAMES = {
+    # A per-replica spec's components: one replica's spec
+    # (`element_spec_build.py`).
+    "tf.distribute PerReplicaSpec": ("_component_specs",),
+    # The cluster a MultiWorkerMirroredStrategy runs on (`workers.py`).
+    "MultiWorkerMirroredStrategy.extended": ("_num_workers", "_task_id"),
+}

@@ -220,7 +220,11 @@ class TorchExecutor(Executor):
         return self._ddp
 
     def _make_ddp(self, model):
-        module = DDPModule(model, model.call)
+        steps = self._steps
+        # Made after the first step, while the entry point's `call` is in
+        # place: DDP runs the model's own.
+        own = steps.own_call() if steps is not None and steps.model is model else None
+        module = DDPModule(model, own or model.call)
         device_ids = None
         if torch_group.device_type() == "cuda":
             device_ids = [torch.cuda.current_device()]

@@ -152,6 +152,24 @@ OBJECT_ATTRIBUTES = {
     "PyDatasetAdapter": ("py_dataset", "shuffle"),
 }
 
+#: Attributes of Keras objects that exist only in some states; listed, not
+#: checked on objects.
+UNCHECKED_ATTRIBUTES = {
+    # The accumulators, made only when `gradient_accumulation_steps` is set
+    # (`accumulation.py`).
+    "keras.optimizers.Optimizer (accumulating)": ("_accumulated_gradients",),
+}
+
+#: Private names of torch keras_parallel uses.
+OTHER_PRIVATE_NAMES = {
+    # The process group's store, where a failing rank leaves its name
+    # (`group.py`; without it failures are reported unnamed).
+    "torch.distributed.distributed_c10d": ("_get_default_store",),
+    # A torch module's submodules: where a Keras layer keeps `_torch_params`
+    # (`dtensor_layouts.retrack`).
+    "torch.nn.Module": ("_modules",),
+}
+
 #: What the torch backend replaces while an entry point runs, through
 #: `keras_parallel.replacements`.
 REPLACED = (
@@ -184,7 +202,8 @@ REPLACED = (
         "keras.src.models.model.Model",
         "call",
         "forward pass through DDP (`steps.py`) or on DTensors "
-        "(`mesh_steps.py`), for one step",
+        "(`mesh_steps.py`): replaced for the entry point, routed in train "
+        "steps (and, on a mesh, every step)",
         on_instances=True,
     ),
     Target(

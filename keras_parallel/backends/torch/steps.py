@@ -124,8 +124,10 @@ class RankSteps:
         self.rank = rank
         self._installed = False
         self._replacements = Replacements()
-        self._call_route = Replacements()  # `call`, for one step.
+        #: `call`, replaced for the entry point; routed in a step only.
+        self._call_route = Replacements()
         self._own_call = None
+        self._routing = False
         self._grad_scale = 1.0
         self._metric_states = MetricStates(model, rank)
         self._same_data = SameDataCheck(model, world_size, rank)
@@ -147,6 +149,10 @@ class RankSteps:
             return
         model = self.model
         self._own_call = model.call
+        # Set once for the entry point (a per-step `setattr` goes through
+        # Keras's attribute tracking every step); each step turns the
+        # routing on and off (`_route_call`).
+        self._call_route.replace(model, "call", self._call)
         self._original_metrics_result = local_metrics_result(model)
         self._keras_steps = {
             kind: keras_step(model, f"{kind}_step") for kind in ("train", "test")
@@ -185,6 +191,7 @@ class RankSteps:
         if not self._installed:
             return
         self._call_route.restore()
+        self._routing = False
         self._uninstall_gradient_reduction()
         self._replacements.restore()
         self._installed = False
@@ -380,15 +387,23 @@ class RankSteps:
         """Whether routing changes anything: DDP, or a scaled gradient."""
         return self.ddp is not None or self._grad_scale != 1.0
 
+    def own_call(self):
+        """The model's own `call`, not the entry point's replacement."""
+        return self._own_call if self._installed else self.model.call
+
     def _route_call(self, on):
-        if not on:
-            self._call_route.restore()
-        elif self._needs_route():
-            self._call_route.replace(self.model, "call", self._routed_call)
+        self._routing = bool(on) and self._needs_route()
+
+    def _call(self, *args, **kwargs):
+        # Keras's Layer.__call__ looks `call` up on the instance: this is
+        # the model's `call` while an entry point runs.
+        if self._routing:
+            return self._routed_call(*args, **kwargs)
+        return self._own_call(*args, **kwargs)
 
     def _routed_call(self, *args, **kwargs):
-        # Keras's Layer.__call__ looks `call` up on the instance: this sends
-        # the outermost forward through DDP, which runs the model's own call.
+        # The outermost forward of a step, through DDP, which runs the
+        # model's own call.
         if self.ddp is not None and torch.is_grad_enabled():
             # A gradient-accumulation micro-step reduces nothing
             # (`accumulation`).
