@@ -67,8 +67,8 @@ def _class_key(classes, module, name):
     return next((key for key in classes if key[1] == name), None)
 
 
-def _own_names(classes):
-    """The names defined by classes whose bases are all keras_parallel's."""
+def _own_classes(classes):
+    """The keys of the classes whose bases are all keras_parallel's."""
 
     def ours(key, seen=()):
         if key is None or key in seen:
@@ -79,11 +79,7 @@ def _own_names(classes):
             for base in bases
         )
 
-    names = set()
-    for key, (_, defined) in classes.items():
-        if ours(key):
-            names |= defined
-    return names
+    return {key for key in classes if ours(key)}
 
 
 def _module_level_names(modules):
@@ -121,7 +117,9 @@ def foreign_private_names(modules=None):
     """
     modules = list(_modules()) if modules is None else modules
     classes = _classes(modules)
-    own = _own_names(classes) | _module_level_names(modules)
+    own_classes = _own_classes(classes)
+    own = {name for key in own_classes for name in classes[key][1]}
+    own |= _module_level_names(modules)
     found = {}
 
     def add(name, module, line):
@@ -134,7 +132,12 @@ def foreign_private_names(modules=None):
                 base = ast.unparse(node.value)
                 if base in _SELF and enclosing is not None:
                     key = _class_key(classes, module, enclosing)
-                    if not _defined_in_class(classes, key, node.attr):
+                    if key in own_classes:
+                        # A class of keras_parallel's own (a mixin too):
+                        # its object's names are keras_parallel's.
+                        if node.attr not in own:
+                            add(node.attr, module, node.lineno)
+                    elif not _defined_in_class(classes, key, node.attr):
                         add(node.attr, module, node.lineno)
                 elif node.attr not in own or base in _SELF:
                     add(node.attr, module, node.lineno)

@@ -57,15 +57,8 @@ class Executor(abc.ABC):
         """
 
     def device_names(self, devices):
-        """Normalises the mesh's devices to the names `list_devices` uses.
-
-        Args:
-            devices: the mesh's devices, flattened (strings or backend
-                device objects).
-
-        Returns:
-            A list of strings.
-        """
+        """The mesh's devices (flattened: strings or backend device
+        objects) as the names `list_devices` uses: a list of strings."""
         return [str(d).lower() for d in devices]
 
     def device_processes(self):
@@ -82,32 +75,19 @@ class Executor(abc.ABC):
 
     @classmethod
     def demo_processes(cls, num_devices):
-        """How many processes `keras-parallel demo` trains in.
+        """How many processes `keras-parallel demo` trains in (1: this one).
 
-        The default: this one. A backend that needs set-up before its
-        runtime starts (logical devices) does it here; one that runs a
-        process per device returns their count, and the demo starts them
-        with `keras_parallel.launch`.
-
-        Args:
-            num_devices: the simulated devices (or processes) to use when
-                there is no accelerator.
-
-        Returns:
-            The number of processes; 1 trains in this process.
+        A backend that needs set-up before its runtime starts (logical
+        devices) does it here; one that runs a process per device returns
+        their count (`num_devices` without an accelerator), and the demo
+        starts them with `keras_parallel.launch`.
         """
         return 1
 
     @classmethod
     def more_devices_hint(cls):
-        """How to give this backend more than one device, for messages.
-
-        Printed when a distribution runs on one device only
-        (`report.one_device_hint`).
-
-        Returns:
-            What to do, as the end of a sentence (no full stop).
-        """
+        """How to give this backend more than one device, as the end of a
+        sentence (no full stop), for `report.one_device_hint`."""
         return "run where this backend sees several devices"
 
     @classmethod

@@ -8,6 +8,7 @@ cheap checksum that lets the ranks check they are looking at the same batch.
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from keras_parallel.backends.torch.keras_compat import ArrayDataAdapter, tree
 
@@ -177,3 +178,33 @@ def check_same_batches(spreads, rank, rows, mean_rows):
             "per-rank shard) with the same length; keras_parallel slices "
             "each global batch itself."
         )
+
+
+def gathered_rows(tensor, rows, world_size):
+    """Every rank's rows of `tensor` (its outputs for its rows of a global
+    batch of `rows` rows, as `split_rows` gives them), in rank order: the
+    global batch's, on every rank.
+
+    Args:
+        tensor: this rank's outputs (anything else, or a scalar, is
+            returned as it is).
+        rows: the global batch's rows.
+        world_size: the number of ranks.
+
+    Returns:
+        The outputs of the whole batch.
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.ndim:
+        return tensor
+    sizes = [
+        stop - start
+        for start, stop, _ in (
+            split_rows(rows, world_size, r) for r in range(world_size)
+        )
+    ]
+    width = max(sizes)
+    padded = tensor.new_zeros((width,) + tuple(tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded.contiguous())
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])

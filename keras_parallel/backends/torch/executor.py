@@ -1,32 +1,15 @@
 """The torch executor: DistributedDataParallel under Keras's own torch trainer.
 
 One process per device (`torchrun`, `keras-parallel launch` or
-`keras_parallel.launch`), each running the user's unchanged script. Keras's
-torch trainer runs `fit`, `evaluate` and `predict` on every rank over the
-same global batches; this executor supplies only what it needs:
-
-- `apply`: wraps the model's parameters in `DistributedDataParallel`
-  (which broadcasts rank 0's weights), folds the rank into the dropout seed
-  states, and makes `model.save` write on rank 0 only.
-- `scope`: while an entry point runs, installs the per-rank steps of
-  `keras_parallel.backends.torch.steps` (slice of each global batch, forward through
-  DDP, global metrics, gathered predictions) and the choice of when metrics
-  are made global (`keras_parallel.backends.torch.step_logs`), silences the progress
-  bar and file-writing callbacks on ranks other than 0, gives every rank
-  rank 0's random state (one shuffle for all), and, with `sync_batchnorm`,
-  makes BatchNorm use global batch statistics.
-- the collectives, over `torch.distributed`, doing nothing in one process.
-
-In a single process with no process group (no `torchrun`), `DataParallel()`
-spans one device and `fit` is plain Keras, after one info line (printed by
-the binding on every backend: `report.one_device_hint`).
-
-A `ModelParallel` whose mesh splits more than the batch, and any
-distribution with `shard=` (`model_parallel.runs_on_mesh`), is handed to
-`model_parallel.MeshRunner` (DTensor variables on a torch `DeviceMesh`);
-one that splits only the batch (`(4, 1)`) runs as DataParallel on DDP. A
-model built inside such a distribution's `scope()` is placed variable by
-variable as it is made (`creation_scope`).
+`keras_parallel.launch`), each running the user's unchanged script under
+Keras's torch trainer. `apply` broadcasts rank 0's weights, folds the rank
+into the dropout seed states and makes saving rank 0's; `scope` installs
+the rank steps (`steps.RankSteps`), the step-log policy, rank 0's random
+state on every rank, chief-only callbacks and, with `sync_batchnorm`,
+global batch statistics; the collectives run over `torch.distributed`.
+In one process without a group, `fit` is plain Keras. A distribution that
+splits variables (ModelParallel, `shard=`) runs on DTensors
+(`model_parallel.MeshRunner`); one that splits only the batch runs on DDP.
 """
 
 import contextlib
@@ -41,10 +24,11 @@ from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.creation import placed_creation
+from keras_parallel.backends.torch.ddp_module import DDPModule, keras_ddp_off
 from keras_parallel.backends.torch.flat_buffers import broadcast_flat, on_group_device
 from keras_parallel.backends.torch.model_parallel import MeshRunner, runs_on_mesh
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
-from keras_parallel.backends.torch.steps import DDPModule, RankSteps
+from keras_parallel.backends.torch.steps import RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
@@ -180,7 +164,7 @@ class TorchExecutor(Executor):
             self._model = model
             self._mesh_runner.apply(model, plan)
             self._steps = self._mesh_runner.steps
-            _keras_ddp_off(model)
+            keras_ddp_off(model)
             return
         if model is not self._model:
             self._close_ddp()
@@ -192,7 +176,7 @@ class TorchExecutor(Executor):
         self._fold_rank_into_seeds(model)
         self._ddp = None  # Drop the old wrapper before making the new.
         make_ddp = None
-        _keras_ddp_off(model)
+        keras_ddp_off(model)
         if getattr(self.distribution, "find_unused_parameters", False) and any(
             p.requires_grad for p in DDPModule(model, model.call).parameters()
         ):
@@ -318,12 +302,12 @@ class TorchExecutor(Executor):
     def release(self, model):
         if self._mesh_runner is not None:
             self._mesh_runner.release(model)
-            _keras_ddp_off(model, off=False)
+            keras_ddp_off(model, off=False)
             self._steps = None
             self._model = None
             return
         self._close_ddp()
-        _keras_ddp_off(model, off=False)
+        keras_ddp_off(model, off=False)
         if self._undo_saving is not None:
             self._undo_saving()
             self._undo_saving = None
@@ -402,22 +386,3 @@ class TorchExecutor(Executor):
     def barrier(self):
         if torch_group.is_distributed():
             dist.barrier()
-
-
-def _keras_ddp_off(model, off=True):
-    """Stops Keras 3.16+ from wrapping the model in its own DDP (or undoes it).
-
-    With a process group, Keras's torch trainer (3.16+) wraps the whole model
-    in `DistributedDataParallel` when it makes a step function, unless
-    `model.ddp_model` is not None, and then calls `model.ddp_model or model`.
-    `False` keeps the forward pass on the model's own `__call__` (through
-    which `RankSteps` routes our DDP): gradients reduced once, not twice; the
-    rank-folded seed states not overwritten by DDP's broadcast; the step on
-    `loss.backward()`, as in Keras 3.15, which has no `ddp_model`. Set for
-    the model's whole distributed life: Keras may make a step function before
-    an entry point's scope is entered.
-    """
-    if off and hasattr(model, "ddp_model"):
-        object.__setattr__(model, "ddp_model", False)
-    elif not off and getattr(model, "ddp_model", None) is False:
-        object.__setattr__(model, "ddp_model", None)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.batches import check_same_data, data_size
+from keras_parallel.backends.torch.flat_buffers import on_group_device
 
 
 class SameDataCheck:
@@ -72,9 +73,7 @@ class SameDataCheck:
             ValueError: the ranks' data differ in size (on every rank).
             PeerFailedError: the all-gather broke because a peer stopped.
         """
-        mine = torch.tensor(data_size(iterator), dtype=torch.int64)
-        if torch_group.device_type() == "cuda":
-            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+        mine = on_group_device(torch.tensor(data_size(iterator), dtype=torch.int64))
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             dist.all_gather(parts, mine)

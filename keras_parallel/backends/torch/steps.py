@@ -1,52 +1,24 @@
-"""What each rank does inside Keras's own torch steps.
+"""What each rank does inside Keras's own torch steps (docs/torch.md, "What
+each rank does").
 
-Every rank runs Keras's unchanged `fit` / `evaluate` / `predict` loop over
-the *same* global batches (the whole data set, one shared shuffle). What
-changes is inside one step, and only there, so it works the same for the
-`DistributedModel` door and the `ShardingCallback` door (the callback cannot
-rewrite `fit`'s arguments, but both can reach the step):
-
-- Slice: rank `r` of `W` takes rows `[start_r, stop_r)` of the global batch
-  of `B` rows, sizes differing by at most one (43 rows over 2 ranks: 22 and
-  21). A batch of fewer than `W` rows (the tail of an epoch) is computed
-  whole on every rank, as the JAX executor does with a batch its data axis
-  does not divide.
-- Train: the model's forward pass is routed through
-  `DistributedDataParallel`, which averages the gradients over ranks during
-  backward (bucketed, overlapped). An average of per-rank mean losses is the
-  global mean only if every rank has `B / W` rows, so the output gradient of
-  rank `r` is scaled by `W * n_r / sum(n)`: the average is then exactly the
-  gradient of the global batch's mean loss, uneven last batch included.
-- Metrics: every metric state is made global by its change summed over
-  ranks (`metric_states.MetricStates`): after every step when a callback
-  reads per-step logs, else once, when Keras reads the results at the end
-  of the epoch or evaluation (`step_logs`). A custom step's returned logs
-  are made global in the same all-reduce (`step_logs.ReturnedLogs`): Keras
-  keeps them, not `get_metrics_result()`, where their keys differ; its
-  one-value-per-step updates are weighted by the rank's rows
-  (`update_weights`).
-- Check: when an epoch starts (and `evaluate` or `predict`), the ranks
-  compare the size of their data (`same_data.SameDataCheck`); the metrics'
-  all-reduce then compares their batches' rows and checksums, so ranks fed
-  other contents (another shuffle) or data of a size no rank knew (a
-  generator) fail with a `ValueError` instead of silently training on
-  something else.
-- Predict: each rank predicts its rows, and the rows are gathered back into
-  input order on every rank.
-- Gradient accumulation (`gradient_accumulation_steps`): DDP reduces only
-  the update step's gradients, and the accumulators once
-  (`accumulation.AccumulatedGradients`).
+Every rank runs Keras's unchanged loop over the same global batches; only
+one step changes, for both doors: the rank takes its rows of the batch
+(or loaded only those, `divided_input`), its forward pass goes through
+`DistributedDataParallel` with its output gradient scaled by its share of
+the rows (so an uneven batch's average is the global mean's gradient),
+its metric states are made global by one all-reduce of their changes
+(every step when a callback reads step logs, else when Keras reads the
+results: `metric_states`, `step_logs`), and `predict` gathers every rank's
+rows back in input order.
 """
 
 import contextlib
-import math
 
 import torch
-import torch.distributed as dist
 
+from keras_parallel.backends.torch import batches as rows_of
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.accumulation import AccumulatedGradients
-from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
 from keras_parallel.backends.torch.divided_input import DividedInput
 from keras_parallel.backends.torch.flat_buffers import broadcast_flat
 from keras_parallel.backends.torch.gradient_mean import GradientMean
@@ -60,42 +32,15 @@ from keras_parallel.backends.torch.metric_states import MetricStates
 from keras_parallel.backends.torch.random_stream import RankRandomStream
 from keras_parallel.backends.torch.same_data import SameDataCheck
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
+from keras_parallel.backends.torch.step_metrics import StepMetrics
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
 
 
-class DDPModule(torch.nn.Module):
-    """The Keras model as DDP sees it: its parameters and its `call`.
-
-    DDP broadcasts rank 0's values of the registered parameters when it is
-    made and averages the gradients of the trainable ones. Only floating
-    parameters are registered: the integer seed-generator states stay per
-    rank (each rank draws its own dropout masks from its rank-folded seeds;
-    a broadcast would make them rank 0's).
-
-    Args:
-        model: the Keras model (a `torch.nn.Module` on this backend).
-        call: the model's own `call`, which `forward` runs.
-    """
-
-    def __init__(self, model, call):
-        super().__init__()
-        params = [p for _, p in model.named_parameters() if torch.is_floating_point(p)]
-        self.params = torch.nn.ParameterList(params)
-        # Held outside the module tree: registering the model as a submodule
-        # would register its integer parameters too.
-        self._call = [call]
-
-    def forward(self, *args, **kwargs):
-        return self._call[0](*args, **kwargs)
-
-
-class RankSteps:
-    """Installs the per-rank train/test/predict steps on one model.
-
-    The steps are instance attributes that wrap the model's own (so a
-    subclass's custom `train_step` runs too), set while an entry point runs
-    and removed after.
+class RankSteps(StepMetrics):
+    """Installs the per-rank train/test/predict steps on one model: instance
+    attributes wrapping its own (a custom `train_step` runs too), set while
+    an entry point runs.
 
     Args:
         model: the Keras model.
@@ -115,9 +60,8 @@ class RankSteps:
     def __init__(self, model, ddp, world_size, rank, make_ddp=None):
         self.model = model
         self.ddp = ddp
-        #: Makes the DDP wrapper once every trainable variable had a
-        #: gradient on every rank; until then (and with `ddp` None)
-        #: `GradientMean` averages them.
+        #: Makes DDP once every trainable variable had a gradient on every
+        #: rank; until then (and with `ddp` None) `GradientMean` averages.
         self.make_ddp = make_ddp
         self.gradient_mean = GradientMean(model, world_size)
         self.world_size = world_size
@@ -269,7 +213,7 @@ class RankSteps:
 
     def _run(self, step, kind, data):
         global_rows = self.divided_input.global_rows(data)
-        rows = batch_rows(data) if global_rows is None else global_rows
+        rows = rows_of.batch_rows(data) if global_rows is None else global_rows
         if rows is None:
             return step(data)
         if kind == "train" and self._step == 0:
@@ -280,7 +224,7 @@ class RankSteps:
         if global_rows is not None:
             local = data  # This rank's rows only, loaded as such.
         else:
-            local = data if whole else slice_rows(data, rows, start, stop)
+            local = data if whole else rows_of.slice_rows(data, rows, start, stop)
         self._whole = whole
         routed = self._routes(kind)
         if kind == "predict":
@@ -347,7 +291,7 @@ class RankSteps:
 
     def _rows(self, rows):
         """`(start, stop, whole)`: this rank's rows of a global batch."""
-        return split_rows(rows, self.world_size, self.rank)
+        return rows_of.split_rows(rows, self.world_size, self.rank)
 
     def _counts(self, whole):
         """Whether this rank's metric updates of the step count globally."""
@@ -431,81 +375,12 @@ class RankSteps:
             for loss in layer._losses
         ]
 
-    # -------------------------------------------------------- metrics
-    def _metrics_result(self):
-        # Inside a step whose logs nobody reads, the local results do.
-        if self._metric_states.pending and (
-            self._global_step_logs or not self._in_step
-        ):
-            self._reduce_metrics()
-        elif not self._in_step:
-            self._metric_states.verify()  # What the steps' reductions left.
-        return self._original_metrics_result()
-
-    def _global_logs(self, returned):
-        """A custom step's logs made global (`step_logs.ReturnedLogs`).
-
-        In the metrics' all-reduce where one is due (once per step, or once
-        at the end of the epoch); a step that made them global itself
-        (asking for `get_metrics_result`) costs one more for its own numbers.
-        """
-        if self._metric_states.pending:
-            reduced = self._reduce_metrics(returned.packed())
-        else:
-            reduced = returned.packed()
-            if torch_group.device_type() == "cuda":
-                reduced = reduced.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(reduced)
-        return returned.rebuilt(reduced, self.world_size)
-
-    def _epoch_logs(self, keras_method):
-        """Keras's `_get_metrics_result_or_logs`, given a custom step's
-        last logs made global.
-
-        Keras keeps the last step's logs for the epoch (or the evaluation)
-        where their keys differ from `get_metrics_result`'s; without callbacks
-        reading step logs they are still this rank's own (`_run`).
-        """
-
-        def get_metrics_result_or_logs(logs):
-            returned, self._returned = self._returned, None
-            if returned is not None and logs is returned.logs:
-                logs = self._global_logs(returned)
-            return keras_method(logs)
-
-        return get_metrics_result_or_logs
-
-    def _reduce_metrics(self, extra=None):
-        """Makes the metric states global (`metric_states.MetricStates`).
-
-        When every step is made global, a batch computed whole by every
-        rank counts on one rank only (`_counts`).
-        """
-        counted = not self._global_step_logs or self._counts(self._whole)
-        # Inside a step the batches' comparison waits (no host read per
-        # step); outside it (the epoch's end) it is read.
-        return self._metric_states.reduce(counted, extra, verify=not self._in_step)
-
-    # -------------------------------------------------------- predict
     def _gather(self, outputs, rows):
-        width = math.ceil(rows / self.world_size)
-        sizes = [
-            stop - start
-            for start, stop, _ in (
-                split_rows(rows, self.world_size, r) for r in range(self.world_size)
-            )
-        ]
-
-        def gather(t):
-            if not isinstance(t, torch.Tensor) or not t.ndim:
-                return t
-            padded = t.new_zeros((width,) + tuple(t.shape[1:]))
-            padded[: t.shape[0]] = t
-            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-            dist.all_gather(parts, padded.contiguous())
-            return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
-
-        return tree.map_structure(gather, outputs)
+        """Every rank's predictions of its rows, in input order."""
+        world = self.world_size
+        return tree.map_structure(
+            lambda t: rows_of.gathered_rows(t, rows, world), outputs
+        )
 
     # ---------------------------------------------------- non-trainable
     def sync_non_trainable(self):
