@@ -280,16 +280,20 @@ def assert_divided_after_fit(results, reference, kind):
     input (the 1003 rows once each on one device, and on TensorFlow the
     batches Keras reads first for the element spec, in every process):
     at most half and a batch, or (a generator) process 0 all of it and the
-    others only the 2 batches Keras peeks. Process 0's prefetch may run up
-    to 4 batches ahead of one device's under load (3 seen in CI), drawn and
-    dropped when the call ends: the others' count is the split's proof."""
+    others only the 2 batches Keras peeks. A generator's prefetch may run up
+    to 4 batches ahead under load, drawn and dropped when the call ends (3
+    seen in CI on process 0, 4 on one device): process 0 is bounded by the
+    rows, not by one device's count; the others' count is the split's
+    proof."""
     counts = [result["loaded_after_fit"] for result in results]
+    ahead = 4 * BATCH if kind == "generator" else 0
     for call, alone in enumerate(reference["loaded_after_fit"]):
         spec = alone - ROWS  # Drawn for the element spec (TensorFlow).
-        assert spec in (0, BATCH, 2 * BATCH), reference["loaded_after_fit"]
+        assert 0 <= spec <= 2 * BATCH + ahead, reference["loaded_after_fit"]
+        assert spec % BATCH == 0, reference["loaded_after_fit"]
         for process, per_call in enumerate(counts):
             if kind == "generator" and process == 0:
-                assert alone <= per_call[call] <= alone + 4 * BATCH, counts
+                assert ROWS <= per_call[call] <= ROWS + 2 * BATCH + ahead, counts
             elif kind == "generator":
                 assert per_call[call] <= 2 * BATCH, counts
             else:
