@@ -245,3 +245,15 @@ def test_a_reader_waiting_for_a_worker_gone_gives_up_when_the_entry_point_ends()
     divided.close()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_a_worker_exits_while_an_abandoned_iterator_still_reads():
+    # A preempted worker's Keras iterator, in a reference cycle, was deleted
+    # by the interpreter's final collection while its thread read the
+    # input: the exit hung (2 of 35 preempted runs). Dividing the input
+    # registers a collection before exit, while threads still run Python.
+    script = os.path.join(HERE, "tf_exit_script.py")
+    env = checkout_env(KERAS_BACKEND="tensorflow")
+    done = run_in_session([sys.executable, script, "divided"], env, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exiting" in done.stdout
