@@ -95,7 +95,7 @@ class _ReadsLogs:
         return ReadsLogs()
 
 
-def _fit_seconds(model, x, y, callbacks=(), batch=BATCH, epochs=2):
+def fit_seconds(model, x, y, callbacks=(), batch=BATCH, epochs=2):
     """The last of `epochs` epochs, timed (`benchmarks/gpu_check.py` too)."""
     import keras
 
@@ -161,7 +161,7 @@ def _torch_way(way, steps):
     torch.set_num_threads(1)
     x, y = _data(steps)
     if way == "keras_one":
-        return _fit_seconds(_model(distributed=False), x, y)
+        return fit_seconds(_model(distributed=False), x, y)
     if way == "loop_one":
         return _torch_loop_seconds(x, y, 0, 1)
     keras_parallel.DataParallel()  # Starts the process group.
@@ -169,7 +169,7 @@ def _torch_way(way, steps):
     if way == "loop":
         return _torch_loop_seconds(x, y, rank, world)
     callbacks = [_ReadsLogs()] if way == "fit_logs" else []
-    return _fit_seconds(_model(distributed=True), x, y, callbacks)
+    return fit_seconds(_model(distributed=True), x, y, callbacks)
 
 
 def _torch_round(steps):
@@ -229,14 +229,14 @@ def _jax_round(steps):
 
     x, y = _data(steps)
     out = {"loop": _jax_loop_seconds(x, y)}
-    out["keras_one"] = _fit_seconds(_model(distributed=False), x, y)
+    out["keras_one"] = fit_seconds(_model(distributed=False), x, y)
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     try:
-        out["keras_dp"] = _fit_seconds(_model(distributed=False), x, y)
+        out["keras_dp"] = fit_seconds(_model(distributed=False), x, y)
     finally:
         keras.distribution.set_distribution(None)
-    out["fit"] = _fit_seconds(_model(distributed=True), x, y)
-    out["fit_logs"] = _fit_seconds(_model(distributed=True), x, y, [_ReadsLogs()])
+    out["fit"] = fit_seconds(_model(distributed=True), x, y)
+    out["fit_logs"] = fit_seconds(_model(distributed=True), x, y, [_ReadsLogs()])
     return out
 
 

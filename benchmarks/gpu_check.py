@@ -113,9 +113,9 @@ def _fit_ms(model, x, y, batch, steps):
     under a distribution (Keras's own `DataParallel` too) the step compiles
     again in the first two (the state turns committed, then the metrics'
     reset zeros do not)."""
-    from bench_host_work import _fit_seconds
+    from bench_host_work import fit_seconds
 
-    return 1000 * _fit_seconds(model, x, y, batch=batch, epochs=3) / steps
+    return 1000 * fit_seconds(model, x, y, batch=batch, epochs=3) / steps
 
 
 def _mfu(model, batch, ms):

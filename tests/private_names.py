@@ -163,17 +163,14 @@ def _walk_with_class(tree):
         node, enclosing = stack.pop()
         yield node, enclosing
         for child in ast.iter_child_nodes(node):
+            # A method's nodes have its class; a nested function (a
+            # closure) keeps its method's; a nested class starts anew.
             if isinstance(node, ast.ClassDef) and isinstance(
                 child, ast.FunctionDef | ast.AsyncFunctionDef
             ):
                 stack.append((child, node.name))
             elif isinstance(child, ast.ClassDef):
                 stack.append((child, None))
-            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) and (
-                not isinstance(node, ast.ClassDef)
-            ):
-                # A nested function keeps its method's class (a closure).
-                stack.append((child, enclosing))
             else:
                 stack.append((child, enclosing))
 

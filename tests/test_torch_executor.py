@@ -220,6 +220,12 @@ def test_each_rank_draws_its_own_dropout_mask():
     assert not np.array_equal(masks[0], masks[1])
 
 
+def test_the_models_call_is_put_back_after_every_entry_point(two_ranks):
+    # fit, evaluate and predict route `call` through DDP while they run.
+    for name, ranks in two_ranks.items():
+        assert [r["call_left_replaced"] for r in ranks] == [False, False], name
+
+
 def test_training_moved_the_weights(two_ranks, single):
     # Equality with single-process training means something only if training
     # did something: an ignored distribution must not pass by staying put.
