@@ -169,12 +169,16 @@ def test_one_worker_draws_the_generator(two_workers, one_device):
 def test_each_worker_maps_its_rows_of_a_tf_data_pipeline(two_workers, one_device):
     alone = one_device["tfdata"]["loaded"]
     batches = TRAIN + VALIDATION
-    assert 2 * sum(batches) <= alone <= 2 * sum(batches) + 3 * 64
+    # Beyond its rows, each abandoned iterator (Keras's first look at the
+    # data) may map what `prefetch(2)` and the map in progress hold: the
+    # torch CI run saw 3.5 batches in all, so allow 6.
+    slack = 6 * 64
+    assert 2 * sum(batches) <= alone <= 2 * sum(batches) + slack
     for worker, result in enumerate(two_workers["tfdata"]):
         share = sum(worker_rows(b, worker) for b in batches)
-        # Its replicas' rows of every batch, and what the prefetch maps
-        # ahead when an iteration is abandoned (Keras's first look).
-        assert 2 * share <= result["loaded"] <= 2 * share + 3 * 64
+        # Its replicas' rows of every batch (at most 1688 with the slack,
+        # where a worker mapping every row maps at least 2608).
+        assert 2 * share <= result["loaded"] <= 2 * share + slack
 
 
 def test_a_worker_whose_pipeline_raises_is_the_one_reported(tmp_path):

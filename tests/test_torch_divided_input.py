@@ -123,15 +123,17 @@ def test_one_rank_draws_the_generator(two_ranks, one_process):
 
 def test_each_rank_maps_about_half_a_tf_data_pipelines_rows(two_ranks, one_process):
     alone = one_process["tfdata"]["loaded"]
-    # 2 epochs of 1003 rows and of 301 for validation, and what Keras's
-    # first look at the data and the prefetch map ahead (a batch or two).
-    assert 2 * (1003 + 301) <= alone <= 2 * (1003 + 301) + 3 * 64
+    every_row = 2 * (1003 + 301)  # 2 epochs of 1003 rows and of 301 to validate.
+    # Beyond its rows, each iterator (Keras's first look at the data, and
+    # each epoch's) may map what `prefetch(2)` and the map in progress hold
+    # when it is dropped: CI saw 3.5 batches in all, so allow 6.
+    slack = 6 * 64
+    assert every_row <= alone <= every_row + slack
     mapped = [r["loaded"] for r in two_ranks["tfdata"]]
     for rank_mapped in mapped:
-        # Its rows of each global batch (22 or 21 of 43), with the same
-        # slack: at most half the epochs and three batches, where a rank
-        # mapping every row maps at least 2608.
-        assert rank_mapped <= alone / 2 + 3 * 64, mapped
+        # Its rows of each global batch (22 or 21 of 43) and the same slack:
+        # at most 1688, where a rank mapping every row maps at least 2608.
+        assert rank_mapped <= every_row / 2 + slack, mapped
 
 
 def test_a_rank_whose_pipeline_raises_is_the_one_reported():
