@@ -2,12 +2,11 @@
 
 import keras
 
+from keras_parallel import callback_lists
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
 from keras_parallel.persistence import atomic
-from keras_parallel.replacements import Replacements
 
-_PHASES = ("train", "test", "predict")
 _STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
 
 
@@ -57,8 +56,9 @@ class ShardingCallback(keras.callbacks.Callback):
         #: The steps compiled for the plan, kept for the next run.
         self._distributed_steps = {}
         self._steps_version = None
-        self._run_ends = Replacements()
-        self._ending = False
+        self._remove_handler = None
+        #: `_RunEnd` is last in this run's callback list: the run ends there.
+        self._ends_last = False
 
     @property
     def distribution(self):
@@ -90,31 +90,31 @@ class ShardingCallback(keras.callbacks.Callback):
     def _end_runs_after_every_callback(self):
         # Keras calls this callback's `on_*_end` before those of the callbacks
         # after it, the progress bar's among them: the run ends once the
-        # whole callback list has ended it (a silenced progress bar of a
-        # process other than 0 must not wake up for its end hook alone).
-        this = self
-        for phase in _PHASES:
-            name = f"on_{phase}_end"
-            keras_end = getattr(keras.callbacks.CallbackList, name)
+        # whole callback list has ended it, in a callback placed last in the
+        # list Keras is making (`callback_lists.py`).
+        self._ends_last = False
+        if self._remove_handler is not None:
+            self._remove_handler()
 
-            def run_end(callback_list, logs=None, keras_end=keras_end, phase=phase):
-                this._ending = True
-                try:
-                    keras_end(callback_list, logs)
-                finally:
-                    this._ending = False
-                if this._phase == phase and this in callback_list.callbacks:
-                    this.close()
+        def append_run_end(callback_list):
+            if any(c is self for c in callback_list.callbacks):
+                self._remove_handler()
+                self._remove_handler = None
+                callback_lists.append_callback(callback_list, _RunEnd(self._run_ended))
+                self._ends_last = True
 
-            self._run_ends.replace(keras.callbacks.CallbackList, name, run_end)
+        self._remove_handler = callback_lists.add_handler(append_run_end)
 
     def close(self):
         """Ends the run: leaves the distribution's scope, puts back the
         model's own step functions. Safe to call more than once."""
         self._phase = None
+        self._ends_last = False
+        if self._remove_handler is not None:
+            self._remove_handler()
+            self._remove_handler = None
         while self.binding.active:
             self.binding.exit(self.model)
-        self._run_ends.restore()
         if self._undo_saving is not None:
             self._undo_saving()
             self._undo_saving = None
@@ -137,10 +137,14 @@ class ShardingCallback(keras.callbacks.Callback):
         # just before on_*_begin).
         self.binding.wrap_steps(self.model)
 
+    def _run_ended(self, phase):
+        if self._phase == phase:
+            self.close()
+
     def _end(self, phase):
-        # Inside the callback list's end hook, the run ends after it
-        # (`_end_runs_after_every_callback`); called on its own, now.
-        if self._phase == phase and not self._ending:
+        # In a list that ends with `_RunEnd`, the run ends there; called on
+        # its own, now.
+        if self._phase == phase and not self._ends_last:
             self.close()
 
     def on_train_begin(self, logs=None):
@@ -162,6 +166,25 @@ class ShardingCallback(keras.callbacks.Callback):
 
     def on_predict_end(self, logs=None):
         self._end("predict")
+
+
+class _RunEnd(keras.callbacks.Callback):
+    """Calls `end_run(phase)` as a run ends, last of its callback list."""
+
+    async_safe = True
+
+    def __init__(self, end_run):
+        super().__init__()
+        self._end_run = end_run
+
+    def on_train_end(self, logs=None):
+        self._end_run("train")
+
+    def on_test_end(self, logs=None):
+        self._end_run("test")
+
+    def on_predict_end(self, logs=None):
+        self._end_run("predict")
 
 
 def _check_model(model):

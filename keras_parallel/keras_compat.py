@@ -147,72 +147,24 @@ EpochIterator = internal(
     "keras.src.trainers.epoch_iterator", "EpochIterator"
 ).EpochIterator
 
-#: Every hook of a Keras callback.
-CALLBACK_HOOKS = (
-    "on_train_begin",
-    "on_train_end",
-    "on_epoch_begin",
-    "on_epoch_end",
-    "on_train_batch_begin",
-    "on_train_batch_end",
-    "on_test_begin",
-    "on_test_end",
-    "on_test_batch_begin",
-    "on_test_batch_end",
-    "on_predict_begin",
-    "on_predict_end",
-    "on_predict_batch_begin",
-    "on_predict_batch_end",
-    "on_batch_begin",
-    "on_batch_end",
-)
-_HOOKS_SHOWN = "every `on_*` hook"
-
 #: What keras_parallel replaces on every backend, while an entry point runs
 #: (or while a model is saved), through `keras_parallel.replacements`.
 REPLACED = (
     Target(
-        "keras.src.callbacks.progbar_logger.ProgbarLogger",
-        CALLBACK_HOOKS,
-        "silenced on processes other than 0 (`chief.py`)",
-        shown_as=_HOOKS_SHOWN,
-    ),
-    Target(
-        "keras.src.callbacks.csv_logger.CSVLogger",
-        CALLBACK_HOOKS,
-        "silenced on processes other than 0: one file (`chief.py`)",
-        shown_as=_HOOKS_SHOWN,
-    ),
-    Target(
-        "keras.src.callbacks.tensorboard.TensorBoard",
-        CALLBACK_HOOKS,
-        "silenced on processes other than 0: one log (`chief.py`)",
-        shown_as=_HOOKS_SHOWN,
-    ),
-    Target(
-        "keras.src.callbacks.model_checkpoint.ModelCheckpoint",
-        CALLBACK_HOOKS,
-        "silenced on processes other than 0 where saving is not a "
-        "collective (`chief.py`)",
-        shown_as=_HOOKS_SHOWN,
-    ),
-    Target(
         "keras.src.callbacks.backup_and_restore.BackupAndRestore",
-        ("_save_model", "_load_model", "on_epoch_begin")
-        + ("on_epoch_end", "on_train_batch_end", "on_train_end"),
-        "backups written whole, with the random state; resumed exactly "
-        "(`persistence/backup.py`); writing silenced on processes other than 0 "
-        "(`chief.py`)",
+        ("_save_model", "_load_model", "on_epoch_begin", "on_train_end"),
+        "backups written whole, with the random state; resumed exactly; "
+        "deleted at the end by process 0 alone (`persistence/backup.py`)",
     ),
     Target(
         "keras.src.callbacks.callback_list.CallbackList",
-        ("on_train_batch_end", "on_epoch_end")
-        + ("on_train_end", "on_test_end", "on_predict_end"),
+        ("on_train_batch_end", "on_epoch_end", "set_params"),
         "after every training batch, whether the processes agreed to stop "
         "for a preemption signal (through their runtime's key-value store, "
         "`persistence/stop_agreement.py`), and the stop there with a backup "
-        "(`persistence/preemption.py`); a `ShardingCallback`'s run ended after "
-        "every callback's end hook, the progress bar's included (`callback.py`)",
+        "(`persistence/preemption.py`); each run's list, once made, edited: "
+        "writers out on processes other than 0 (`chief.py`), keras_parallel's "
+        "own callbacks in (`callback_lists.py`)",
     ),
     Target(
         "keras.src.trainers.epoch_iterator.EpochIterator",
@@ -230,7 +182,9 @@ REPLACED = (
         "keras.src.models.model.Model",
         ("save", "save_weights"),
         "written whole (`persistence/atomic.py`); on processes other than 0, nothing "
-        "written (`chief.py`)",
+        "written (`chief.py`); under torch ModelParallel, the split variables "
+        "gathered first by every process, for the model's distributed life "
+        "(`backends/torch/model_parallel.py`)",
         on_instances=True,
     ),
 )

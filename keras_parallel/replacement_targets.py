@@ -24,18 +24,14 @@ class Target:
             class (a model's `train_step`), not on the class itself.
         optional: the owner (or the attributes) exist only in some Keras
             versions; another `Target` names where the others have them.
-        shown_as: how the docs' table names `names`, where they are many.
     """
 
-    def __init__(
-        self, owner, names, why, on_instances=False, optional=False, shown_as=None
-    ):
+    def __init__(self, owner, names, why, on_instances=False, optional=False):
         self.owner = owner
         self.names = (names,) if isinstance(names, str) else tuple(names)
         self.why = why
         self.on_instances = on_instances
         self.optional = optional
-        self.shown_as = shown_as
         self._resolved = _MISSING
 
     def __repr__(self):
@@ -95,7 +91,7 @@ def markdown_rows(label, targets):
     """
     rows = []
     for target in targets:
-        names = target.shown_as or ", ".join(f"`{name}`" for name in target.names)
+        names = ", ".join(f"`{name}`" for name in target.names)
         where = f"`{target.owner}`" + (" objects" if target.on_instances else "")
         rows.append(f"| {label} | {where} | {names} | {target.why} |")
     return rows

@@ -98,3 +98,34 @@ def test_describe_finds_the_plan_the_callback_applied():
     model.fit(x, y, batch_size=32, verbose=0, callbacks=[callback])
     text = keras_parallel.describe(model)
     assert "Mesh: batch=8 (8 devices" in text and "d1/kernel" in text
+
+
+def test_callbacks_after_it_end_their_run_under_the_distribution():
+    # The run ends after the last callback's end hook, not at this one's:
+    # a callback listed after it (the progress bar, a user's) still ends
+    # under the distribution.
+    seen = {}
+
+    class Later(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            seen["train"] = keras.distribution.distribution()
+
+        def on_test_end(self, logs=None):
+            seen["test"] = keras.distribution.distribution()
+
+        def on_predict_end(self, logs=None):
+            seen["predict"] = keras.distribution.distribution()
+
+    x, y = regression_data(256)
+    model = dense_model(keras.Model)
+    model.compile(optimizer="sgd", loss="mse")
+    callbacks = [
+        keras_parallel.ShardingCallback(keras_parallel.DataParallel()),
+        Later(),
+    ]
+    model.fit(x, y, batch_size=64, verbose=0, callbacks=callbacks)
+    model.evaluate(x, y, batch_size=64, verbose=0, callbacks=callbacks)
+    model.predict(x, batch_size=64, verbose=0, callbacks=callbacks)
+    assert set(seen) == {"train", "test", "predict"}
+    assert all(d is not None for d in seen.values()), seen
+    assert keras.distribution.distribution() is None

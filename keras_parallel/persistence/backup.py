@@ -11,8 +11,8 @@ names. Two things are missing for "resume equals uninterrupted":
 
 While a keras_parallel entry point runs (`fit` of a `DistributedModel`, or
 of a model with a `ShardingCallback`), `ExactBackups` replaces the
-callback's `_save_model` / `_load_model` on the class (as `chief.py`
-silences writers), with the same files and meaning plus:
+callback's `_save_model` / `_load_model` on the class, with the same
+files and meaning plus:
 
 - the weights go to a new file, `weights-<n>.weights.h5`, and the metadata,
   written to a temporary file and renamed over the old one, names it: the
@@ -88,6 +88,9 @@ class ExactBackups:
                 EpochIterator._enumerate_iterator
             ),
         }
+        if not executor.is_chief:
+            # Keras deletes the backup when training ends: rank 0 alone.
+            patches[(callbacks.BackupAndRestore, "on_train_end")] = _noop
         for (cls, name), function in patches.items():
             self._replacements.replace(cls, name, function)
 
@@ -102,6 +105,10 @@ class ExactBackups:
 #: there, not where it is made, so that both doors find it (a
 #: `ShardingCallback` is handed the model after the iterator is made).
 _awaiting_iterator = [None]
+
+
+def _noop(*args, **kwargs):
+    return None
 
 
 def _epoch_begins(callback, epoch, executor):

@@ -47,13 +47,6 @@ internal(
 )
 #: Keras's nested-structure utilities (flatten / map_structure).
 tree = internal("keras.src.tree", "flatten", "map_structure")
-#: `CallbackList.on_train_begin` / `on_test_begin` are replaced in scope to
-#: choose when metrics are made global (`step_logs`).
-CallbackList = internal(
-    "keras.src.callbacks.callback_list",
-    "CallbackList.on_train_begin",
-    "CallbackList.on_test_begin",
-).CallbackList
 #: Whether a callback overrides a hook (`step_logs.reads_step_logs`).
 is_default = internal("keras.src.utils.python_utils", "is_default").is_default
 #: Keras's `Model`: its own `train_step` / `test_step` return the metrics'
@@ -174,11 +167,6 @@ OTHER_PRIVATE_NAMES = {
 #: `keras_parallel.replacements`.
 REPLACED = (
     Target(
-        "keras.src.callbacks.callback_list.CallbackList",
-        ("on_train_begin", "on_test_begin"),
-        "choose when step logs are made global (`step_logs.py`)",
-    ),
-    Target(
         "keras.src.models.model.Model",
         (
             "train_step",
@@ -227,13 +215,6 @@ REPLACED = (
         "assigned (the same on every process), so that `get_weights()`, "
         "`set_weights()` and `load_weights()` work through either door; for "
         "the model's distributed life (`model_parallel.py`)",
-        on_instances=True,
-    ),
-    Target(
-        "keras.src.models.model.Model",
-        ("save", "save_weights"),
-        "every process gathers the split variables first, process 0 writes; "
-        "for the model's distributed life (`model_parallel.py`)",
         on_instances=True,
     ),
     Target(

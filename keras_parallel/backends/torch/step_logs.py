@@ -11,8 +11,8 @@ states are summed over ranks once, when Keras reads them at the end.
 
 The choice must be the same on every rank, or the ranks would wait on
 different collectives: it depends only on the callbacks the user passed and
-`verbose`, which are the same on every rank, never on which hooks a rank
-silenced, and only on the model's own runs (not on a model that one of its
+`verbose`, which are the same on every rank, never on which callbacks a
+rank took out of its run, and only on the model's own runs (not on a model that one of its
 callbacks evaluates).
 
 A custom step returns logs of its own (`ReturnedLogs`): they are made
@@ -23,13 +23,14 @@ import numpy as np
 import torch
 from keras import callbacks as keras_callbacks
 
-from keras_parallel.backends.torch.keras_compat import CallbackList, is_default
-from keras_parallel.replacements import Replacements
+from keras_parallel import callback_lists
+from keras_parallel.backends.torch.keras_compat import is_default
 
 _STEP_HOOKS = ("on_batch_end", "on_train_batch_end", "on_test_batch_end")
 
-# Silenced on ranks other than 0 (`keras_parallel.chief`), so their hooks differ
-# between ranks: judged by class, conservatively, never by their hooks.
+# Taken out of the runs of ranks other than 0 (`keras_parallel.chief`), or
+# with hooks that differ between ranks: judged by class, conservatively,
+# never by their hooks.
 _RANK_ZERO_WRITERS = (
     keras_callbacks.ModelCheckpoint,
     keras_callbacks.CSVLogger,
@@ -49,10 +50,10 @@ def reads_step_logs(callback_list):
 
     Example:
 
-    >>> reads_step_logs(CallbackList([keras.callbacks.History()]))
+    >>> reads_step_logs(keras.callbacks.CallbackList([keras.callbacks.History()]))
     False
     """
-    for callback in callback_list.callbacks:
+    for callback in callback_lists.every_callback(callback_list):
         if isinstance(callback, keras_callbacks.ProgbarLogger):
             # verbose=2 prints epoch logs only; 0 adds no progress bar.
             if getattr(callback, "verbose", 1) == 1:
@@ -67,40 +68,48 @@ def reads_step_logs(callback_list):
 class StepLogPolicy:
     """Tells `RankSteps` at the start of each run whether step logs are read.
 
-    While installed, `CallbackList.on_train_begin` and `on_test_begin` first
-    pass the run's callbacks to `steps.set_global_step_logs`. The hook is a
-    class attribute because a `ShardingCallback` enters after Keras made the
-    `CallbackList`.
+    The choice is made from each run's callback list (`callback_lists.py`)
+    and put in force by a callback placed first in it, when a `fit` or an
+    `evaluate` begins (not a `predict`, which logs no metric).
 
     Args:
         steps: the `RankSteps` to configure.
     """
 
-    _HOOKS = ("on_train_begin", "on_test_begin")
-
     def __init__(self, steps):
         self.steps = steps
-        self._replacements = Replacements()
+        self._remove = None
 
     def install(self):
-        for name in self._HOOKS:
-            self._replacements.replace(
-                CallbackList, name, self._hook(getattr(CallbackList, name))
-            )
+        self._remove = callback_lists.add_handler(self._choose)
 
     def uninstall(self):
-        self._replacements.restore()
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
 
-    def _hook(self, begin):
-        def hook(callback_list, logs=None):
-            # Only this model's own runs: a plain model a callback evaluates
-            # on rank 0 alone must start no collective, and a distributed
-            # model run inside this one's `fit` must not change its choice.
-            if callback_list.model is self.steps.model:
-                self.steps.set_global_step_logs(reads_step_logs(callback_list))
-            return begin(callback_list, logs)
+    def _choose(self, callback_list):
+        # Only this model's own runs: a plain model a callback evaluates on
+        # rank 0 alone must start no collective, and a distributed model run
+        # inside this one's `fit` must not change its choice.
+        if callback_list.model is self.steps.model:
+            choice = _StepLogChoice(self.steps, reads_step_logs(callback_list))
+            callback_list.callbacks.insert(0, choice)
 
-        return hook
+
+class _StepLogChoice(keras_callbacks.Callback):
+    """Sets `steps.set_global_step_logs(reads)` as a fit or evaluate begins."""
+
+    def __init__(self, steps, reads):
+        super().__init__()
+        self._steps = steps
+        self._reads = reads
+
+    def on_train_begin(self, logs=None):
+        self._steps.set_global_step_logs(self._reads)
+
+    def on_test_begin(self, logs=None):
+        self._steps.set_global_step_logs(self._reads)
 
 
 class ReturnedLogs:

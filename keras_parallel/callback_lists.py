@@ -1,0 +1,91 @@
+"""The one place keras_parallel sees each run's `CallbackList`.
+
+Keras makes a `CallbackList` at the start of every `fit`, `evaluate` and
+`predict`, and calls its `set_params` last, once every callback has the
+model. Both doors are entered by then (a `ShardingCallback` in its
+`set_model`, just before), so a handler added here sees every list made
+while an entry point runs, before any hook: it may remove callbacks (the
+writers of processes other than 0), read them (torch's per-step log
+policy) or append one of keras_parallel's own, last. `CallbackList.set_params`
+is the only attribute of the list replaced for this, and only while a
+handler is registered.
+"""
+
+from keras.callbacks import CallbackList
+
+from keras_parallel.replacements import Replacements
+
+_handlers = []
+_replacements = Replacements()
+
+
+def add_handler(handler):
+    """Calls `handler(callback_list)` for each list Keras makes from now on.
+
+    Args:
+        handler: a function of the finished `CallbackList` (its callbacks
+            have their model and params). Handlers run in the order they
+            were added.
+
+    Returns:
+        A function that removes the handler (safe to call twice).
+
+    Example:
+
+    >>> remove = add_handler(lambda callback_list: print(callback_list.callbacks))
+    >>> remove()
+    """
+    entry = [handler]  # A list: each registration is its own, even of one handler.
+    if not _handlers:
+        _replacements.replace(CallbackList, "set_params", _set_params)
+    _handlers.append(entry)
+
+    def remove():
+        if any(e is entry for e in _handlers):
+            _handlers[:] = [e for e in _handlers if e is not entry]
+            if not _handlers:
+                _replacements.restore()
+
+    return remove
+
+
+_keras_set_params = CallbackList.set_params
+
+
+def _set_params(callback_list, params):
+    _keras_set_params(callback_list, params)
+    for (handler,) in list(_handlers):
+        handler(callback_list)
+
+
+def remove_callbacks(callback_list, kinds):
+    """Takes the callbacks of `kinds` out of `callback_list` for its run.
+
+    The removed ones stay listed in `callback_list._kp_removed`, so that a
+    handler deciding from the whole list (one every process must decide
+    alike) still sees them.
+
+    Args:
+        callback_list: the run's `CallbackList`.
+        kinds: a class or a tuple of classes.
+    """
+    kept = [c for c in callback_list.callbacks if not isinstance(c, kinds)]
+    removed = [c for c in callback_list.callbacks if isinstance(c, kinds)]
+    callback_list.callbacks = kept
+    callback_list._kp_removed = (
+        list(getattr(callback_list, "_kp_removed", ())) + removed
+    )
+
+
+def every_callback(callback_list):
+    """The run's callbacks, those `remove_callbacks` took out included."""
+    return list(callback_list.callbacks) + list(
+        getattr(callback_list, "_kp_removed", ())
+    )
+
+
+def append_callback(callback_list, callback):
+    """Adds `callback` last to `callback_list`, with its model and params."""
+    callback.set_model(callback_list.model)
+    callback.set_params(callback_list.params)
+    callback_list.callbacks.append(callback)
