@@ -1,31 +1,10 @@
 """keras-parallel: plain `model.fit` on every device, on every Keras backend.
 
-Public API:
-
-- `DistributedModel`: mixin; `compile(..., distribution=...)`.
-- `ShardingCallback`: the same for a model you cannot subclass.
-- `DataParallel`: `keras.distribution.DataParallel` over all local devices,
-  with `shard=` ("full": FSDP, "optimizer": optimizer-state sharding).
-- `ModelParallel`: `keras.distribution.ModelParallel`, with `shard=`.
-- `describe`: the sharding plan as a text table.
-- `restore_checkpoint`: a `keras.callbacks.OrbaxCheckpoint` read back shard
-  by shard into the model's layout (JAX).
-- `launch`: run a function in N processes (torch), rank-ordered results.
-- `ShardingError`: the error bad layouts raise (a `ValueError`).
-- `ShardingWarning`: a large variable `shard=` must leave whole.
-- `split_cpu`: TensorFlow: split the CPU into N logical devices.
-- `ThroughputMonitor`: a callback adding samples/s, step time, TFLOP/s,
-  MFU and peak memory to `fit`'s logs.
-
-The names are imported on first use, so `import keras_parallel` (and the
-`keras-parallel` command) imports neither Keras nor a backend: the backend
-can still be chosen after it. Once Keras is imported (before or after this
-package), Keras 3.15 on torch is given `keras.distribution.list_devices()`,
-and a process that a cluster's own launcher started as one of several
-(`srun`, `mpirun`, Keras's `KERAS_DISTRIBUTION_*`) joins the others: on
-JAX, `jax.distributed` starts; on TensorFlow, the multi-worker strategy
-(`keras_parallel.cluster_environments`, `keras_parallel.cluster_join`;
-`KERAS_PARALLEL_CLUSTER=off` turns it off).
+The public names are imported on first use, so `import keras_parallel` (and the
+`keras-parallel` command) imports neither Keras nor a backend, and the backend
+can still be chosen after it. Once Keras is imported, torch on Keras 3.15 gets
+`keras.distribution.list_devices()`, and a process a cluster's launcher started
+joins the others (`cluster_join`).
 """
 
 import importlib

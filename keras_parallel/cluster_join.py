@@ -1,29 +1,10 @@
 """Joining a cluster's other processes once Keras is imported (JAX, TensorFlow).
 
-`keras_parallel/__init__.py` runs `join` as soon as Keras is imported
-(`keras_config.after_keras_import`), before the script's first Keras call:
-on JAX, `jax.distributed` starts (`backends/jax/runtime.py`); on
-TensorFlow, the multi-worker strategy (`backends/tensorflow/workers.py`).
-The rules, in order:
-
-- A join that failed fails again, with the same error: a second
-  `import keras` must not go on as one process unnoticed.
-- `KERAS_PARALLEL_CLUSTER=off`: nothing is read, nothing joined.
-- A child process inherits its parent's variables, rank included: a
-  `multiprocessing` worker (spawn, forkserver: `parent_process()` is set),
-  or any subprocess of a joined process (`KERAS_PARALLEL_JOINED_PID`, set
-  by the join, names another process) runs alone rather than take its
-  parent's place in the cluster.
-- Whether a cluster is wanted is read from the variables alone
-  (`cluster_environments`, `TF_CONFIG`): a backend module, and its checks of
-  Keras's internals, is imported only where one is.
-- An error is raised as `ClusterJoinError`, which names this join and the
-  opt-out, the original as its `__cause__`.
-- After a join, an uncaught exception prints its traceback under the
-  process's rank and ends the process at once (`sys.excepthook`): a
-  cluster's launcher does not end the others, and JAX's exit would wait
-  for them at its shutdown barrier for 5 minutes while they wait for this
-  one in a collective.
+`keras_parallel/__init__.py` runs `join` once Keras is imported
+(`keras_config.after_keras_import`). It runs inside someone else's `import
+keras`, so it stays cheap where no cluster is wanted (read from the variables
+alone) and loud where a join fails (`ClusterJoinError`, raised again at the
+next import). The rules are in docs/design.md.
 """
 
 import os

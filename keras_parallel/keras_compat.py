@@ -1,27 +1,10 @@
 """The Keras internals keras_parallel relies on, and the Keras versions it runs on.
 
-keras_parallel reuses Keras's own trainer, so it reads, and while an entry
-point runs patches, a few private names of Keras (`keras.src...`). Those move
-between releases, so every one is listed in one place: this module for those
-every backend shares, `backends/<name>/keras_compat.py` for each backend's
-own. The other modules import Keras internals from these lists only.
-
-Each list is checked when it is imported (the first time a distribution is
-given on that backend), so a Keras that lacks one fails at once with an
-`UnsupportedKerasError` naming the Keras version and the supported range,
-not with an `AttributeError` deep inside a rank. Attributes of Keras objects
-(`variable._value`, ...) cannot be checked before the objects exist; they
-are listed too, and `tests/test_keras_compat.py` checks them on real objects.
-
-Checked against (tox envs `*-oldest`, the default ones and `*-nightly`):
-Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704. Older Keras
-fails for reasons of its own, found by running the suite on it: up to 3.14,
-JAX `train_on_batch` under any distribution fails on `sample_weight=None`
-(`_distribute_data` maps over the `None`; fixed in 3.15); up to 3.14,
-`keras.distribution.DataParallel` cannot be made on TensorFlow (it calls a
-`num_processes` that Keras's TensorFlow distribution_lib lacks); 3.11's JAX
-trainer records the variables' shardings before keras_parallel lays them
-out. The floor is checked below, as no one internal shows it.
+keras_parallel reuses Keras's trainer, so it reads and patches private names of
+Keras (`keras.src...`) that move between releases. This module lists the shared
+ones, `backends/<name>/keras_compat.py` each backend's, and the other modules
+import Keras internals from these lists only; a Keras that lacks one fails at
+import with `UnsupportedKerasError`.
 """
 
 import importlib
@@ -120,6 +103,12 @@ def _unsupported(what):
     )
 
 
+# The floor is checked here, as no one internal shows it. Older Keras fails in
+# Keras itself (found by running the suite): up to 3.14, JAX `train_on_batch`
+# under any distribution fails on `sample_weight=None` (`_distribute_data`
+# maps over the `None`), and `DataParallel` cannot be made on TensorFlow (it
+# calls a `num_processes` Keras's TensorFlow distribution_lib lacks); 3.11's
+# JAX trainer records the variables' shardings before they are laid out.
 require_keras(MINIMUM_KERAS)
 
 #: The base class of every distribution (`keras.distribution` exports its

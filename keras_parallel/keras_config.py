@@ -1,20 +1,10 @@
 """The backend Keras will use, read as Keras reads it, without importing Keras.
 
-`keras-parallel launch` must not import Keras: importing it starts a backend,
-and JAX's runtime must start in the processes the launcher starts, not in
-the launcher. So this module reads the sources Keras reads, in Keras's order
-(`keras/src/backend/config.py`, Keras 3.15):
-
-1. `KERAS_BACKEND`, when set and not empty;
-2. the `"backend"` of `keras.json` in `$KERAS_HOME`, else in `~/.keras`
-   (`/tmp/.keras` when the home directory is not writable); a file that is
-   not JSON counts as empty;
-3. `"tensorflow"`, Keras's default.
-
-Unlike Keras, it never writes a `keras.json`.
-
-`after_keras_import` runs a function once Keras is imported, or at once if
-it is already, still without importing it.
+`keras-parallel launch` must not import Keras: that starts a backend, and JAX's
+runtime must start in the launched processes, not in the launcher. So
+`KERAS_BACKEND`, `keras.json` and Keras's default are read in Keras's order
+(`keras/src/backend/config.py`, 3.15); unlike Keras, no `keras.json` is
+written. `after_keras_import` runs a function once Keras is imported.
 """
 
 import importlib.abc

@@ -1,16 +1,10 @@
 """Matching `LayoutMap` keys to variables and layer outputs.
 
-The rules, Keras's where Keras has one:
-
-- A variable key is a regex matched in full against `variable.path`; an exact
-  key wins over regexes (as `LayoutMap.__getitem__` does); a variable matched
-  by two keys is an error, since each variable must resolve to one layout.
-- An output key ends in `/output`. It matches a layer's output path
-  (`<layer path>/output`) in full or, for nested layers, by a path suffix:
-  `d2/output` finds `net/block/d2/output`. A suffix that ends two layers'
-  paths is an error; a full regex may match many.
-- Optimizer slots follow the variable they were made from.
-- A key that matches nothing warns, listing the closest real paths.
+Keras's rules where Keras has one: a variable key is a regex matched in full
+against `variable.path`, an exact key winning; an output key (`.../output`)
+also finds a nested layer by a path suffix; optimizer slots follow their
+variable. A variable two keys match, or a suffix of two layers' paths, is an
+error; a key that matches nothing warns (docs/jax.md).
 """
 
 import difflib

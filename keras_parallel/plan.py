@@ -2,11 +2,9 @@
 
 `resolve_plan` turns a `keras.distribution.Distribution` and a built model into
 a `ShardingPlan`: plain data, the same on every backend. All validation lives
-here, once, so every executor refuses the same bad input with the same words,
-and refuses it before anything is moved.
-
-Nothing in this module touches a device or imports a backend: the executor
-hands in the device names, and the plan only reads paths, shapes and dtypes.
+here, so every executor refuses the same bad input with the same words, before
+anything is moved. Nothing here touches a device or imports a backend: the
+executor hands in the device names.
 """
 
 import dataclasses

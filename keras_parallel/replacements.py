@@ -1,28 +1,10 @@
 """One way to replace an attribute of Keras (or of a backend) for a while.
 
-keras_parallel reuses Keras's trainer, and a few things can only be changed
-by replacing an attribute: a function of a Keras module, a method of a Keras
-class, a method of one model object. Every such replacement goes through
-`Replacements`, which
-
-- refuses a target that is not listed in a table of replaced targets
-  (`REPLACED` in `keras_parallel.keras_compat` and in each backend's
-  `keras_compat`), so the tables list everything keras_parallel replaces;
-- records what it found (the owner's own attribute, or that it had none and
-  inherited one) and restores exactly that, in reverse order: a distributed
-  model run inside another's `fit` (a callback that evaluates a second
-  model) puts back the outer model's replacements, not Keras's originals.
-
-Example:
-
-```python
-replacements = Replacements()
-replacements.replace(keras_trainer_module, "jit", jit_without_donation)
-try:
-    ...
-finally:
-    replacements.restore()
-```
+Some things can only be changed by replacing an attribute of a Keras module,
+class or object. `Replacements` refuses a target that no `REPLACED` table lists
+(`keras_compat` and each backend's), so the tables list everything
+keras_parallel replaces, and restores exactly what it found, newest first: a
+nested entry point puts back the outer one's replacements (docs/design.md).
 """
 
 import contextlib

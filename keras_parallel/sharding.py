@@ -1,26 +1,10 @@
 """`shard=`: variables and optimizer state split over the data axis.
 
-Plain data parallelism keeps a whole copy of every variable and of its
-optimizer state on every device. `shard` splits them over the batch axis of
-the mesh, the devices that already split the batch:
-
-- `"full"`: every large variable, its gradient and its optimizer state
-  (ZeRO-3, torch's FSDP `FULL_SHARD`). Each variable is gathered where it is
-  used; each gradient is reduce-scattered to its shard.
-- `"optimizer"`: the optimizer state and the update only (ZeRO-1/2, FSDP's
-  `SHARD_GRAD_OP` without the parameters): variables stay whole on every
-  device, and their new values are gathered after each update.
-
-The rule is the same on every backend and lives here once: a floating
-variable of at least `shard_min_size` elements gets the batch axis on its
-largest dimension that the axis size divides and that no other axis
-already splits (ties: the first such dimension). Smaller variables
-(biases, norm scales, BatchNorm statistics) stay whole: they are a tiny share
-of a large model, and gathering each at every step costs more than it saves.
-A large variable that no free dimension lets split stays whole, with a
-`ShardingWarning` naming it.
-
-Nothing here touches a device or imports a backend.
+`"full"` splits every large variable, its gradient and its optimizer state over
+the mesh's batch axis (ZeRO-3, FSDP's `FULL_SHARD`); `"optimizer"` only the
+optimizer state and the update (ZeRO-1/2). Which variables get the batch axis,
+and on which dimension, is one rule for every backend, kept here
+(docs/sharding.md). Nothing here touches a device or imports a backend.
 """
 
 import math

@@ -1,11 +1,9 @@
 """The releases the test matrix runs on: the oldest and the newest of each.
 
-`constraints-oldest.txt` pins the oldest (the `-oldest` tox envs),
-`constraints.txt` the newest (the default and nightly envs) and
-`constraints-newest.txt` the newest torch (the opt-in `torch-newest` env); the test
-`tests/test_tested_versions.py` keeps this table equal to them. The package
-files are not installed with keras_parallel, so `keras-parallel env` reads
-the table here.
+`constraints-oldest.txt`, `constraints.txt` and `constraints-newest.txt`
+(newest torch) pin them, and `tests/test_tested_versions.py` keeps this table
+equal to them. Those files are not installed with keras_parallel, so
+`keras-parallel env` reads the table here.
 """
 
 #: `{distribution name: (oldest tested, newest tested)}`; `keras-nightly`

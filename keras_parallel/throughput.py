@@ -1,15 +1,10 @@
 """`ThroughputMonitor`: how fast `fit` trains, in its logs.
 
-Samples per second (global and per device), the step time and, where the
-step's floating-point work is known, TFLOP/s per device and the model FLOPs
-utilization (MFU) against the device's peak, plus the peak device memory:
-written to the epoch's logs, so `History`, the progress bar's epoch line,
-`CSVLogger` and `TensorBoard` show them.
-
-Nothing is read from the device in a step. Times are the host's (the end of
-the epoch's last training step, as Keras reports it); the samples are the
-count of Keras's loss tracker (the batch sizes its steps added: global under
-keras_parallel), read once an epoch, before validation resets it.
+Samples per second, step time, TFLOP/s, MFU and peak device memory go to the
+epoch's logs, for `History`, the progress bar, `CSVLogger` and `TensorBoard`.
+Nothing is read from the device in a step: times are the host's, and the
+samples are the count of Keras's loss tracker, read once an epoch
+(docs/throughput.md).
 """
 
 import time

@@ -26,6 +26,7 @@ LAYERS = (
         "sharding",
         "plan",
         "building",
+        "callback_lists",
         "chief",
         "keras_config",
         "cluster_environments",

@@ -1,16 +1,9 @@
 """The executor contract: what a backend must do to run a `ShardingPlan`.
 
-Every backend does the same three things in the same order (see
-`docs/design.md`): the backend-neutral `plan` module resolves a
-`ShardingPlan`; an executor applies it with the backend's own objects; Keras's
-own trainer runs `fit`, `evaluate` and `predict`. An executor only supplies
-what the trainer needs, through the hooks below, and holds no training loop.
-
-The collectives (`reduce`, `broadcast`, `barrier`, and
-`share_host_random_state` built on `broadcast`) follow PyTorch Lightning's
-habit: with one process they return their input and do nothing, so code that
-calls them needs no single-process branch. With several processes a backend
-must implement them: the defaults raise rather than act as identities.
+An executor applies a resolved plan with the backend's own objects and
+supplies Keras's own trainer through the hooks below; it holds no training
+loop. The collectives return their input in one process; with several, a
+backend must implement them (the defaults raise). See `docs/design.md`.
 """
 
 import abc

@@ -1,34 +1,10 @@
 """The cluster a process was started in, read from its environment.
 
-On a cluster the scheduler starts the processes (`srun python train.py`,
-`mpirun -n 8 python train.py`, a Kubernetes job), and each learns its place
-from the variables the launcher sets. One class per launcher reads them, in
-Lightning's shape (`detect()`, `world_size()`, `global_rank()`,
-`local_rank()`, `node_rank()`, `main_address()`, `main_port()`):
-
-- `KerasDistributionEnvironment`: Keras's own `KERAS_DISTRIBUTION_*`
-  (`keras.distribution.initialize`; `keras-parallel launch --backend jax`);
-- `TorchElasticEnvironment`: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-  `MASTER_PORT` (torchrun, a Kubeflow PyTorchJob);
-- `SlurmEnvironment`: a task of an `srun` step (`SLURM_PROCID`,
-  `SLURM_STEP_NUM_TASKS`, ...; an `sbatch` script or `salloc` shell is one
-  process);
-- `OpenMPIEnvironment`: `mpirun` (`OMPI_COMM_WORLD_*`).
-
-`detect_cluster_environment()` returns the first that applies, in that
-order (an explicit setting wins over what a launcher around it set), or
-None on a bare machine. `environment_variables(env, backend)` turns one
-into what each backend's runtime reads: torch's `RANK`... `MASTER_PORT`,
-the `KERAS_DISTRIBUTION_*` that become `jax.distributed.initialize`'s
-arguments, TensorFlow's `TF_CONFIG`.
-
-`KERAS_PARALLEL_CLUSTER=off` turns detection off: every process runs
-alone (`opted_out`).
-
-A value that cannot be right (a rank out of range, a world size below 1, no
-address) raises `ClusterEnvironmentError` naming the variable to fix, when
-it is read. A ground-layer module: it imports neither Keras nor a backend,
-so the launcher and `keras-parallel env` can use it.
+One class per launcher (`KERAS_DISTRIBUTION_*`, torchelastic, `srun`, `mpirun`),
+in Lightning's shape (`detect()`, `global_rank()`, ...), reads the variables it
+sets; `detect_cluster_environment()` returns the first that applies
+(docs/multihost.md). It imports neither Keras nor a backend, so the launcher
+and `keras-parallel env` can use it.
 """
 
 from keras_parallel.cluster_environments.base import (
@@ -78,6 +54,8 @@ __all__ = [
     "record_joined",
 ]
 
+# Detected in this order: an explicit setting (Keras's own variables) wins
+# over what a launcher around it set.
 ENVIRONMENTS = (
     KerasDistributionEnvironment,
     TorchElasticEnvironment,

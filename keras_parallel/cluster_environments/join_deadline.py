@@ -1,21 +1,10 @@
 """A bound on the wait for a cluster job's other processes, and its error.
 
-Joining waits for every process of the job: JAX's `initialize`,
-TensorFlow's multi-worker strategy and torch's process group each block
-until the last one arrives. A mistake in the environment (a rank nobody
-started, two processes given the same rank, rank 0's port held by another
-program) would make that wait end only at the runtime's own timeout,
-minutes later, with an error naming none of the variables (JAX aborts the
-process with `DEADLINE_EXCEEDED`). So each backend joins inside
-`join_deadline`: past `KERAS_PARALLEL_JOIN_TIMEOUT` seconds (default 45)
-the process prints what to check, naming the environment's variables, and
-is ended, every process of the job within the same bound. The process
-that must bind rank 0's port checks first that it is free
-(`check_port_free`), and fails at once where it is not.
-
-The deadline is kept by a small watchdog process, not a thread: TensorFlow
-holds Python's lock while it waits for the other workers, so no thread of
-the waiting process would run.
+Each backend joins inside `join_deadline`: past `KERAS_PARALLEL_JOIN_TIMEOUT`
+seconds, a process that a mistake left waiting (a rank nobody started, one
+given twice, rank 0's port taken) says what to check and is ended
+(docs/multihost.md). A watchdog process keeps the deadline, not a thread:
+TensorFlow holds Python's lock while it waits.
 """
 
 import contextlib

@@ -1,12 +1,10 @@
 """A torch `DataLoader` that loads one process's rows of every global batch.
 
-A map-style loader draws each global batch as a list of indices from its
-batch sampler, then loads and collates those rows. `rank_loader` makes a
-loader over the same dataset, collate function and workers whose batch
-sampler hands this process only its rows of each global batch's indices,
-drawn from the same global order on every process (one shuffle, from the
-random state the processes share). torch is imported only when a loader
-is given.
+`rank_loader` makes a loader over the same dataset, collate function and
+workers whose batch sampler hands this process only its rows of each global
+batch, drawn from the same global order on every process (one shuffle, from the
+random state the processes share). torch is imported only when a loader is
+given.
 """
 
 import collections

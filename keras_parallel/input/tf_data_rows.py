@@ -1,23 +1,10 @@
 """A `tf.data.Dataset` read as one process's rows of its global batches.
 
-A pipeline whose last steps are row-wise maps and a `batch` (then,
-optionally, `prefetch` or options), as the tf.data guide writes them::
-
-    tf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=1)
-        .map(decode, num_parallel_calls=tf.data.AUTOTUNE).batch(64).prefetch(2)
-
-makes global batch `i` of the rows `64 i ...` of what enters the maps.
-`rows_dataset` rebuilds it with a filter between that input and the maps,
-which keeps this process's rows of each global batch, then the same maps
-(the user's functions, parallelism and determinism), then batches of those
-rows: the maps' work (decoding, augmenting) is divided between the
-processes. What comes before the maps (the source, a shuffle) still runs
-whole in every process: each must draw the same order, as one device does.
-Any other shape (a map after the batch, a `padded_batch`, a source of
-unknown length, as after a `filter`) is read whole (`None`).
-
-tf.data's pipeline is read through its private attributes, listed in
-`TF_DATA_INTERNALS` and checked by `tests/test_tf_data_rows.py`.
+A pipeline that ends in row-wise maps and a `batch` makes global batch `i` from
+rows `batch_size * i ...` of what enters the maps. `rows_dataset` rebuilds it
+with a filter before the maps that keeps this process's rows, dividing the
+maps' work; any other shape is read whole (`None`). The tf.data internals it
+reads are in `TF_DATA_INTERNALS` (`tests/test_tf_data_rows.py`).
 """
 
 from keras_parallel.input import row_ranges

@@ -1,20 +1,10 @@
-"""`python -m keras_parallel.launcher.bootstrap script.py [args]`.
+"""What `keras-parallel launch` runs in each process, before the user's script.
 
-What `keras-parallel launch` runs in each process it starts, before the
-user's unchanged script (run as `__main__`):
-
-- JAX: start the multi-process runtime from the environment
-  (`jax.distributed`, through `keras.distribution.initialize()`). A process
-  whose script raises prints the traceback under its process number and
-  exits at once: the runtime's exit would wait for the other processes at a
-  barrier they may never reach.
-- TensorFlow: create the `MultiWorkerMirroredStrategy` `TF_CONFIG` asks
-  for (and logical CPU devices), which must exist before TensorFlow runs
-  anything; the executor reuses it. A failing worker exits at once, as on
-  JAX: the others may wait in a collective it will never join.
-- torch (under torchrun): run the script under torch's `record`, which
-  leaves the exception in torchrun's error file, so that the launcher can
-  tell the rank that failed first from the ranks that stopped because of it.
+`python -m keras_parallel.launcher.bootstrap script.py` starts the runtime
+(`jax.distributed`, or the `MultiWorkerMirroredStrategy` TensorFlow needs
+before it runs anything), then the script as `__main__`. A failing process
+exits at once: the others may wait for it in a collective or at JAX's exit
+barrier. Under torchrun, torch's `record` names the rank that failed first.
 """
 
 import os

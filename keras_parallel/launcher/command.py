@@ -1,19 +1,10 @@
 """`keras-parallel launch`: one command for every backend.
 
-The backend is `--backend`, else the one Keras would use: `KERAS_BACKEND`,
-else `keras.json` (read as Keras reads it, see `keras_config`), else
-tensorflow.
-
-- torch: `torchrun` (`torch.distributed.run`) by another name. `--nproc N`
-  is `--nproc-per-node N`, and `--standalone` (a free local port) is added
-  when no rendezvous option is given; every other torchrun option passes
-  through, so its restart and rendezvous options work.
-- JAX: N processes of this node, each with the environment
-  `keras.distribution.initialize()` reads, started through
-  `keras_parallel.launcher.bootstrap` (the runtime is up before the script
-  runs) and supervised by `keras_parallel.launcher.supervisor`.
-- TensorFlow: the same, each worker with a `TF_CONFIG` (see
-  `tf_processes`); the bootstrap creates the `MultiWorkerMirroredStrategy`.
+The backend is `--backend`, else the one Keras would use (`keras_config`). On
+torch the command is torchrun (`torch.distributed.run`) by another name; on JAX
+and TensorFlow it starts N processes of this node through `bootstrap`, each
+with the environment its runtime reads (`jax_processes`, `tf_processes`),
+supervised by `supervisor` (docs/multihost.md).
 """
 
 import contextlib

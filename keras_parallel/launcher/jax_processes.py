@@ -1,17 +1,10 @@
 """`keras-parallel launch --backend jax`: the processes of one node.
 
-Each process gets the environment `keras.distribution.initialize()` reads
-(the coordinator's address, the process count, its process id), runs
-`keras_parallel.launcher.bootstrap` (which starts `jax.distributed` before
-the user's script runs) and is supervised with the others
-(`keras_parallel.launcher.supervisor`). Process `node_rank * N + i` runs on
-node `node_rank`; process 0 (node 0) hosts the coordinator.
-
-On a machine without accelerators, `--devices-per-process K` gives each
-process K simulated CPU devices, connected over gloo.
-
-The options and their checks are shared with TensorFlow
-(`keras_parallel.launcher.local_processes`).
+Each process gets the environment `keras.distribution.initialize()` reads, runs
+`bootstrap` (which starts `jax.distributed` before the script) and is
+supervised with the others. Process `node_rank * N + i` runs on node
+`node_rank`; process 0 hosts the coordinator. The options and their checks are
+shared with TensorFlow (`local_processes`).
 """
 
 import os

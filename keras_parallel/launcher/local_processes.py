@@ -1,11 +1,9 @@
 """What `keras-parallel launch` shares between JAX and TensorFlow processes.
 
-Both start N processes of this node through
-`python -m keras_parallel.launcher.bootstrap script.py`, supervised by
-`keras_parallel.launcher.supervisor`; they differ only in the environment
-each process gets (`jax_processes.commands`, `tf_processes.commands`). Here:
-the options, their checks, and the port check, so that a bad launch reads
-the same on both.
+Both start N processes of this node through `bootstrap`, supervised by
+`supervisor`, and differ only in each process's environment
+(`jax_processes.commands`, `tf_processes.commands`). Here: the options, their
+checks and the port check, so that a bad launch reads the same on both.
 """
 
 import argparse

@@ -1,19 +1,10 @@
 """Runs the processes of one node and ends them together.
 
-`keras-parallel launch` for JAX starts its processes here (torch has
-torchrun's elastic agent). The rules:
-
-- every process runs to its end; the launcher exits 0 if all exit 0;
-- the first process that fails is named with its exit code, the others get
-  `FAILURE_GRACE_S` to stop by themselves (they usually fail at their next
-  collective), then SIGTERM, then SIGKILL: nothing is left behind. A
-  process whose collective broke because a peer left (it exits with
-  `BROKEN_COLLECTIVE_EXIT_CODE`) is named only if no process reports an
-  error of its own within `FAILURE_GRACE_S`: the user sees the cause;
-- SIGTERM or Ctrl-C to the launcher is passed on to every process, with the
-  same escalation;
-- with `max_restarts` K, a failed group is ended whole and started again,
-  up to K times (torchrun's policy for torch).
+`keras-parallel launch` runs its JAX and TensorFlow processes here (torch has
+torchrun's agent). The first process that fails is named (one whose collective
+a peer broke, `BROKEN_COLLECTIVE_EXIT_CODE`, only if no other names a cause
+within `FAILURE_GRACE_S`) and the others are ended. A signal to the launcher
+goes to every process; `max_restarts` restarts a failed group.
 """
 
 import signal

@@ -1,23 +1,10 @@
 """`keras-parallel launch --backend tensorflow`: the workers of one node.
 
-TensorFlow's multi-worker runtime has no coordinator that hands out
-addresses: every worker's `TF_CONFIG` lists the address of every worker of
-every node, and each worker listens on its own entry. So the addresses are
-fixed by a rule every node computes alike:
-
-- worker `g = node_rank * N + i` (N = `--nproc-per-node`) is TensorFlow's
-  task `g`, worker 0 the chief (it writes files, its initial weights win);
-- it listens on its node's address, port `--master-port + g`;
-- one node: the address is `--master-addr` (default 127.0.0.1), and without
-  `--master-port` each worker gets a free port;
-- several nodes: `--node-addrs A0,A1,...` gives every node's address in
-  node-rank order, and `--master-port` is required (the same on every
-  node), so ports `P .. P + M*N - 1` must be free on the nodes.
-
-Each worker runs `keras_parallel.launcher.bootstrap`, which creates the
-`MultiWorkerMirroredStrategy` (and, with `--devices-per-process K` on CPU,
-K logical CPU devices) before the user's script runs; the workers are
-supervised together (`keras_parallel.launcher.supervisor`).
+TensorFlow has no coordinator that hands out addresses, so each worker's
+`TF_CONFIG` lists every worker by a rule all nodes compute alike: worker `g`
+(`node_rank * N + i`) is task `g`, worker 0 the chief, and listens at its
+node's address on port `--master-port + g` (docs/multihost.md). Each runs
+`bootstrap`, which creates the strategy before the script.
 """
 
 import json

@@ -1,18 +1,10 @@
 """Starting one process per device, on top of `torch.distributed`.
 
-Three ways, one environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-`MASTER_ADDR`, `MASTER_PORT`), which keras_parallel reads to start the
-process group:
-
-- `torchrun --nproc-per-node N train.py` runs an unchanged script;
-- `keras-parallel launch --nproc N train.py [args]` is `torchrun` itself
-  (`torch.distributed.run`), so its restart and rendezvous options work
-  (`keras_parallel.launcher.command`);
-- `launch(fn, num_processes=N)` from Python or a notebook, below.
-
-`launch` hosts the rendezvous store in the calling process, as torchrun's
-agent does, so the store outlives every rank and a failing rank (even rank
-0) can be named by the others.
+`launch(fn, num_processes=N)` runs a function in N processes from Python or a
+notebook, each with the environment torchrun gives (`RANK`, `WORLD_SIZE`,
+`LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), from which keras_parallel starts
+the process group. `torchrun` and `keras-parallel launch` start a script the
+same way (docs/torch.md).
 """
 
 import os

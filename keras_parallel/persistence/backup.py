@@ -1,45 +1,10 @@
 """`keras.callbacks.BackupAndRestore`, made atomic and exact.
 
-Keras's `BackupAndRestore` writes `latest.weights.h5` and
-`training_metadata.json` in place and restarts at the epoch the metadata
-names. Two things are missing for "resume equals uninterrupted":
-
-- a process killed while it writes leaves a half-written file, or new
-  weights beside the old epoch number;
-- the random state is not part of the backup, so a resumed run draws
-  another shuffle (and other dropout masks) than the run it replaces.
-
-While a keras_parallel entry point runs (`fit` of a `DistributedModel`, or
-of a model with a `ShardingCallback`), `ExactBackups` replaces the
-callback's `_save_model` / `_load_model` on the class, with the same
-files and meaning plus:
-
-- the weights go to a new file, `weights-<n>.weights.h5`, and the metadata,
-  written to a temporary file and renamed over the old one, names it: the
-  rename is the one moment a backup changes, so a kill at any other moment
-  leaves the previous backup whole. Older weight files are removed after
-  the rename (the previous one is kept with `double_checkpoint=True`, with
-  the previous metadata as `training_metadata.json.bkp`);
-- the metadata holds the host random state (NumPy's, Python's and the
-  backend's, see `Executor.host_random_state`) and the model's seed
-  generators as they were when the epoch it resumes at began; loading the
-  backup puts them back, so the resumed epochs draw what the uninterrupted
-  run drew;
-- keras-nightly's data adapters shuffle by the number of epochs they have
-  run in this `fit`, not by the random state: at the first epoch of a run
-  resumed at epoch k, the training data adapter's count is moved on by k,
-  so it shuffles as epoch k of the uninterrupted run.
-
-Keras restarts an epoch from its first batch, so with an integer
-`save_freq` the weights saved mid-epoch would see that epoch's first
-batches again. A backup made within an epoch also records how many of its
-batches were trained (`steps_done`), and the seed generators as they are
-then (the host random state stays the epoch's first, which decides its
-shuffle): the resumed run draws the epoch's batches in the same order and
-passes over the trained ones without training on them, so it resumes
-exactly mid-epoch too. (With `steps_per_execution` above 1 a backup made
-within an epoch resumes at the epoch's start, as Keras's does.) The
-resumed epoch's logged metrics cover the batches trained after the resume.
+Keras's callback writes its files in place and leaves the random state out.
+While an entry point runs, `ExactBackups` replaces its `_save_model` and
+`_load_model`: the weights go to a new file that the renamed metadata names,
+the metadata keeps the random state, and a mid-epoch backup records the batches
+trained, which the resumed run passes over (docs/checkpoints.md).
 """
 
 import base64

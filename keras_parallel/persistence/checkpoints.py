@@ -1,18 +1,10 @@
 """`restore_checkpoint`: an `OrbaxCheckpoint` back into a distributed model.
 
-`keras.callbacks.OrbaxCheckpoint` already saves a keras_parallel model shard
-by shard: it hands Orbax the model's `jax.Array`s as they lie on the mesh, and
-Orbax writes each shard once, every process its own. Keras's way back,
-`model.load_weights(directory)`, falls short under keras_parallel's layouts:
-it reads each array onto the mesh it was *saved* from whenever no global
-distribution is set (keras_parallel sets one only while `fit` runs), so a
-model on another mesh, or on a machine with other devices, gets arrays laid
-out for the old mesh; and it silently skips every variable whose path differs
-(the optimizer of the second model built in a process is `adam_1`, not
-`adam`), leaving its optimizer state fresh.
-
-`restore_checkpoint` reads each array straight into the layout of the
-variable it restores, and refuses a checkpoint that does not fit the model.
+Keras's `OrbaxCheckpoint` saves a model shard by shard, but
+`model.load_weights(directory)` reads each array onto the mesh it was saved
+from and skips variables whose path differs (`adam_1`, not `adam`).
+`restore_checkpoint` reads each array into the layout of the variable it
+restores, and refuses a checkpoint that does not fit the model.
 """
 
 import os

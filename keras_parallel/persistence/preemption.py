@@ -1,30 +1,10 @@
 """Preemption: a signal ends `fit` at a step every process agrees on, backed up.
 
-A cluster warns a job before it kills it: SLURM sends SIGTERM (and, with
-`--signal=USR1@90`, SIGUSR1 ahead of time), Kubernetes sends SIGTERM, to
-one process or to all. While a keras_parallel entry point runs,
-`PreemptionWatch` turns those signals into a flag (the handler does
-nothing else: it may run in the middle of a collective). At the next batch
-end the processes agree on the step at which all of them stop
-(`stop_agreement.py`: through the runtime's key-value store, no collective
-per batch; one process stops at the batch end right after its signal).
-Then, at that step:
-
-- the `keras.callbacks.BackupAndRestore` in `fit`'s callbacks writes its
-  backup there (keras_parallel's exact one: `persistence/backup.py`, mid-
-  epoch included), every process waits until it is written, so that the
-  same command resumes where it stopped;
-- `fit` raises `Preempted`, a `SystemExit` with code `PREEMPTED_EXIT_CODE`
-  (75, `EX_TEMPFAIL`: "try again later"): no epoch-end callback runs (the
-  epoch is not over) and the backup is not deleted (`BackupAndRestore`
-  deletes it at the end of training). A script that does nothing exits
-  with that code; one that catches it can clean up first.
-
-Without a `BackupAndRestore` in `fit` the run still stops and exits with
-that code, and says that nothing was saved. A process that reaches no
-agreed stop within `KERAS_PARALLEL_PREEMPTION_GRACE` seconds (default 20)
-of its signal ends as the signal would have ended it; so does one whose
-entry point ends (the last batch trained) before the agreed step.
+While an entry point runs, `PreemptionWatch` turns SIGTERM or SIGUSR1 into a
+flag (the handler does nothing else: it may run in the middle of a collective).
+The processes agree on a stop step (`stop_agreement`), the `BackupAndRestore`
+in `fit`'s callbacks writes its backup there, and `fit` raises `Preempted`, a
+`SystemExit` with code 75, so the same command resumes (docs/checkpoints.md).
 """
 
 import os

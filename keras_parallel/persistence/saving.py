@@ -1,30 +1,10 @@
 """Saving and loading a `DistributedModel` with Keras's own `.keras` format.
 
-`model.save(path)` and `keras.saving.load_model(path)` stay Keras's own;
-three things are added, each where Keras leaves a gap:
-
-1. **The class.** Keras writes a model's class as `module`, `class_name` and
-   `registered_name`. At load it looks `registered_name` up among the custom
-   and registered objects first, and imports `module.class_name` only for
-   Keras's own modules. `DistributedModel.save` writes a functional (or
-   Sequential) subclass as Keras's `Functional` (`Sequential`) with the
-   subclass's registered name: where the class is given (`custom_objects`,
-   `register_keras_serializable`) the model loads as that class; elsewhere,
-   with plain Keras and no keras_parallel, as a plain Keras model with its
-   weights, compile config and optimizer state. A model with its own
-   `__init__` is written as Keras writes it: it needs its class, as in Keras.
-2. **Compiling.** Keras's `compile_from_config` skips a model whose class
-   overrides `compile` (ours does): `DistributedModel.compile_from_config`
-   compiles it as Keras does for its own classes, so the optimizer is built
-   and its saved state (iterations, momenta, moments) is restored.
-3. **The distribution.** Described in the model's assets
-   (`assets/keras_parallel_distribution.json`), and re-applied when the
-   model is loaded with its class and compiled. Not in the compile config:
-   Keras's own `compile_from_config` passes every key of it to `compile`, so
-   a plain Keras model could not load it.
-
-The serialization hook (1) is a Keras internal, swapped in only while
-`DistributedModel.save` runs.
+`model.save` and `keras.saving.load_model` stay Keras's own. The class is
+written as Keras's `Functional` (`Sequential`) under its registered name: it
+loads as that class where given, else as a plain Keras model. A class that
+overrides `compile` is still compiled from its config, and the distribution
+goes in the assets, not in the compile config Keras passes to `compile`.
 """
 
 import contextlib

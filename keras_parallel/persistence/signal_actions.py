@@ -1,16 +1,10 @@
 """A signal's whole action, saved and put back, native handlers included.
 
-Python's `signal.signal` returns the handler it last installed itself, not
-the one in force: a handler installed by native code after Python started
-(JAX's preemption notifier sets one for SIGTERM when `jax.distributed`
-starts) is reported as `SIG_DFL`, and "restoring" that would remove it.
-`save` reads the action from the system (`sigaction`), `restore` installs
-Python's previous handler (so that `signal.getsignal` says what Python
-knows) and then the saved action itself. The action is kept as opaque
-bytes: no layout of `struct sigaction` is assumed.
-
-Where the system's `sigaction` cannot be called (not a POSIX libc), `save`
-returns None and `restore` puts Python's previous handler back alone.
+`signal.signal` returns the handler Python last installed, not the one in
+force: a native one set later (JAX's preemption notifier's, for SIGTERM) reads
+as `SIG_DFL`, and restoring that would remove it. So `save` reads the action
+with `sigaction`, as opaque bytes, and `restore` puts back Python's previous
+handler, then that action (without `sigaction`, the handler alone).
 """
 
 import ctypes

@@ -1,30 +1,10 @@
 """Every process agrees on the step at which to stop, without a collective.
 
-A preemption signal reaches one process (or several, at different steps)
-while the others train on; they must all stop after the same batch. A
-collective after every batch would decide it, but it costs a round trip
-per batch and, worse, turns another process's failure into this one's (its
-collective fails first, and the launcher names it). Here the processes
-agree through their runtime's key-value store instead (JAX's and
-TensorFlow's coordination service, torch's rendezvous store), with the
-protocol of JAX's own preemption sync manager:
-
-1. The process that got the signal, at its next batch end, writes a
-   notice to the store.
-2. Each process, once it sees the notice (a watcher thread polls for it;
-   the signalled process at once), writes the last step it has answered,
-   holding a lock that keeps its main thread from answering another step
-   until step 3 is done, and waits until every process has written its own.
-3. The stop step is the largest of those plus one: no process has answered
-   it yet, and every process reaches it (they train in step with each
-   other, whose collectives need all of them).
-
-No process's main thread waits for another's: every process's watcher
-writes its step on its own thread, even while its main thread is inside a
-step's collective. Where a process does not answer within the timeout (it
-died), no stop step is set: the others fail at their next collective as
-without this protocol, and the signalled process ends by its signal when
-its grace runs out.
+A collective per batch would cost a round trip and make a peer's failure this
+process's, so they agree through the runtime's key-value store, as JAX's
+preemption sync manager does: 1. the signalled process writes a notice; 2. each
+process, once it sees it, writes the last step it answered and waits for every
+process's; 3. the stop step is the largest plus one (docs/checkpoints.md).
 """
 
 import threading
@@ -72,6 +52,8 @@ class StopAgreement:
         self.noticed = None
         #: Why no stop step could be agreed, if so.
         self.failure = None
+        # Held while a step is answered and while steps 2 and 3 run: the main
+        # thread answers no other step until the stop step is set.
         self._lock = threading.Lock()
         self._answered = -1
         self._agreed = False
@@ -144,6 +126,8 @@ class StopAgreement:
         except Exception as error:  # A process that died, a store gone.
             self.failure = error
             return
+        # No process has answered it yet, and every process reaches it: their
+        # steps' collectives keep them in step.
         self.stop_step = max(steps) + 1
         rank, _, name = notice.partition(":")
         self.noticed = (int(rank) if rank.isdigit() else None, name or None)

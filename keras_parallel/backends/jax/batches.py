@@ -1,13 +1,9 @@
 """Where a batch's rows go on JAX: placed on the mesh, split inside the step.
 
-- `distribute_batch` (Keras's `distribute_data_input`, while an entry point
-  runs): a batch the data axis divides is placed split; one it does not is
-  placed whole on every device, and across processes each process places
-  its own rows;
-- `jit_splitting_batches` (Keras's trainer `jit`): inside the compiled step
-  the batch is constrained to the data axis, so a batch placed whole is
-  split too (on a mesh whose one axis of several devices is the data axis);
-- `laid_out_inputs`: `predict_on_batch`'s NumPy inputs laid out as `predict`'s.
+`distribute_batch` places each batch (whole on every device where the data
+axis does not divide it), `jit_splitting_batches` splits it inside the
+compiled step, and `laid_out_inputs` lays out `predict_on_batch`'s NumPy
+inputs as `predict`'s are.
 """
 
 import jax

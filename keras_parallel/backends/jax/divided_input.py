@@ -1,33 +1,10 @@
-"""Each JAX process prepares only its share of the input.
+"""Each JAX process prepares only its share of the input (docs/multihost.md).
 
-Keras's JAX epoch iterator reads a data adapter's `get_jax_iterator` and
-lays out every batch (`batches.distribute_batch`), each process placing
-only its own devices' rows. Across processes these iterators are replaced,
-while an entry point runs, by ones that divide the work, each global batch
-and the order staying one device's:
-
-- a map-style torch `DataLoader`: each process loads only its rows of each
-  global batch (`keras_parallel.input.rank_loader`; the rows its devices
-  hold, or the whole batch where the data axis does not divide it, which
-  is then placed whole). Each part is remembered with the global batch's
-  size and placed as its process's rows of that batch (`place`);
-- a `PyDataset` of one worker: at every `W`-th position of the epoch's
-  order, each process makes the one batch it owns among the next `W`, all
-  at once, and one all-gather hands every process all `W` (so each holds
-  `W` batches, one group, at a time);
-- a generator: process 0 alone draws each batch and writes it in
-  `jax.distributed`'s key-value store, once for each other process, which
-  reads and deletes it (no collective: process 0 draws on while the
-  others read).
-
-- a `tf.data.Dataset` whose last steps are row-wise maps and a batch:
-  each process maps only its rows of each global batch
-  (`keras_parallel.input.tf_data_rows`), placed as a loader's are.
-
-Arrays are sliced from every process's own copy (a copy of the batch's
-rows, no conversion), each placing only its rows; another `tf.data`
-pipeline and Grain are read whole by every process. The chief says how,
-once per kind.
+Across processes, `get_jax_iterator` is replaced while an entry point runs:
+a map-style `DataLoader` or a row-wise `tf.data` pipeline loads only this
+process's rows, a one-worker `PyDataset` is made round-robin and
+all-gathered, and a generator is drawn by process 0 alone and handed out
+through `jax.distributed`'s key-value store (no collective: it draws on).
 """
 
 import collections

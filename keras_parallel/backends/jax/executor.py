@@ -1,20 +1,10 @@
 """The JAX executor: `jax.sharding` placements under Keras's own JAX trainer.
 
-Keras's JAX trainer already knows how to run a distribution: it asks the
-global `keras.distribution.distribution()` for the data layout of each batch,
-compiles its step with the variables' shardings as `out_shardings`, and every
-layer asks it for an output layout (`<path>/output`). What it cannot do is
-take a model whose variables already exist, and it leaves the distribution
-global. So this executor
-
-- moves every existing variable to its planned `NamedSharding` (`apply`),
-- installs a `PlannedDistribution` as the global distribution only while an
-  entry point runs (`scope`), restoring whatever was there before,
-- and, for that time only, places a batch that the data axis does not
-  divide whole on every device (`batches.distribute_batch`) and splits it inside
-  the compiled step (`batches.jit_splitting_batches`), so every batch is split,
-- and, on CPU devices only, compiles the step without buffer donation and
-  waits for each step (see `wrap_step` and `batches.jit_splitting_batches`).
+Keras's JAX trainer already runs a distribution, but cannot lay out a model
+whose variables exist, and keeps the distribution global. So `apply` moves
+every variable to its planned `NamedSharding`, and `scope` installs a
+`PlannedDistribution` only while an entry point runs, with the batch
+placement of `batches` and, on CPU devices, one step at a time.
 """
 
 import contextlib

@@ -1,15 +1,9 @@
 """A script's own `keras.distribution.initialize()`, after keras_parallel's.
 
-Under a cluster's own launcher keras_parallel starts `jax.distributed` as
-soon as Keras is imported (`runtime.py`). A script written for that
-launcher may still call `keras.distribution.initialize()` itself, as
-Keras's documentation asks, and JAX's `initialize` runs once per process:
-a second call raises. So once keras_parallel has started the runtime,
-Keras's JAX `initialize` is replaced, for the life of the process (the
-runtime lasts as long), by one that accepts a call agreeing with the
-running runtime (no arguments, or the same process count and id) and
-refuses one that does not. A direct `jax.distributed.initialize()` is
-JAX's own and still raises.
+keras_parallel may start `jax.distributed` when Keras is imported
+(`runtime.py`), and JAX raises on a second `initialize`. So Keras's JAX
+`initialize` is replaced, for the life of the process, by one that accepts
+a call agreeing with the running runtime and refuses any other.
 """
 
 from keras_parallel.backends.jax.keras_compat import distribution_lib

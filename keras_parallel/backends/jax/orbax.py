@@ -1,12 +1,9 @@
 """Reads an `OrbaxCheckpoint` into the layout of each variable it restores.
 
-Keras's `OrbaxCheckpoint` saves `model.get_state_tree()`: four groups
-(`trainable_variables`, `non_trainable_variables`, `optimizer_variables`,
-`metrics_variables`), each nested by variable path. Here every leaf is asked
-for as a `jax.ShapeDtypeStruct` carrying the sharding of the variable it
-restores, so Orbax reads each device's part of it and nothing else, whatever
-mesh the checkpoint was saved on. The restored arrays already lie where the
-variables do: assigning them moves nothing.
+Every leaf of the saved `model.get_state_tree()` is asked for as a
+`jax.ShapeDtypeStruct` carrying its variable's sharding, so Orbax reads each
+device's part and nothing else, whatever mesh the checkpoint was saved on,
+and assigning the restored arrays moves nothing.
 """
 
 import difflib

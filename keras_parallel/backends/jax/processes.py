@@ -1,23 +1,10 @@
 """What the JAX executor does differently when several processes run.
 
-With `jax.distributed` (started by `keras-parallel launch` or
-`keras.distribution.initialize()`), one mesh spans the devices of every
-process, and each process runs the user's unchanged script over the same
-data. Four things then need the other processes:
-
-- `broadcast_values`: process 0's initial weights on every process, so the
-  user need not seed every process alike.
-- `place`: an array every process holds whole (a weight, a global batch)
-  laid out on the global mesh, each process transferring only the shards of
-  its own devices: its rows of each global batch.
-- `broadcast_bytes`, `allgather_bytes`, `reduce_sum`, `barrier`: the
-  executor's collectives and the input's (`divided_input`)
-  (process 0's random state reaches every process through them, so that
-  all draw the same shuffle: `Executor.share_host_random_state`).
-- `fetch`: a global array's whole value on every process (predictions, and
-  weights split over processes).
-
-In one process each is what one process would do, without a collective.
+Under `jax.distributed` one mesh spans every process's devices, and each
+process runs the same script over the same data. This module gives process
+0's weights to every process (`broadcast_values`), places arrays each
+transferring only its own devices' shards (`place`), fetches global values
+whole (`fetch`), and holds the collectives; in one process, none is used.
 """
 
 import contextlib

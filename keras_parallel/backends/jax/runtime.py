@@ -1,22 +1,10 @@
 """The multi-process JAX runtime, started from the environment.
 
-Each process learns its place from its launcher's variables, read by
-`keras_parallel.cluster_environments`: Keras's own
-`KERAS_DISTRIBUTION_*` (what `keras-parallel launch` sets), torchelastic's,
-`srun`'s or `mpirun`'s. `initialize_from_environment` starts
-`jax.distributed` with the arguments they give, through
-`keras.distribution.initialize()`, which also agrees one random seed across
-processes.
-
-It must run before JAX's backend starts: the first device query
-(`jax.devices()`, `keras.distribution.list_devices()`,
-`keras.distribution.DataParallel()`) fixes a one-process runtime for good.
-So keras_parallel runs it as soon as Keras is imported
-(`keras_parallel/__init__.py`, through `keras_config.after_keras_import`):
-importing Keras imports JAX but asks for no device, and an unchanged script
-asks for one only after it imported Keras. `keras-parallel launch` runs it
-too, before the script (`launcher/bootstrap.py`); it starts the runtime
-once.
+`initialize_from_environment` starts `jax.distributed` through
+`keras.distribution.initialize()` with what `cluster_environments` reads
+from the launcher's variables. It must run before the first device query,
+which fixes a one-process runtime for good, so it runs as soon as Keras is
+imported, and under `keras-parallel launch` before the script too.
 """
 
 import os

@@ -1,50 +1,10 @@
 """Each TensorFlow worker prepares only its share of the input.
 
-Keras's TensorFlow trainer reads a data adapter's `get_tf_dataset` and
-distributes it (`experimental_distribute_dataset`): every worker then runs
-the whole pipeline and keeps its rows of each global batch. Across workers
-the `get_tf_dataset` of four adapters is replaced, while an entry point
-runs, by a data set of *this worker's rows only*, cut into its replicas'
-pieces (`per_replica`), which `strategies.ExactRun` distributes as one
-input pipeline per worker (`distribute_datasets_from_function`). Replica
-`r` of worker `w` holds slice `r * W + w` of each global batch
-(`_slots`), where Keras's `predict` expects it. Each global batch and the
-order stay one device's:
-
-- a map-style torch `DataLoader`: each worker loads only its rows of each
-  global batch (`keras_parallel.input.rank_loader`), from worker 0's torch
-  random state (one shuffle);
-- a `PyDataset` of one worker: in each group of `W` positions of the
-  epoch's order, worker `w` makes the batch at position `w` of the group
-  and hands every other worker its rows, then takes its rows of the
-  others' batches (each holds its rows of one group, `W` batches, at a
-  time);
-- a generator: worker 0 alone draws each batch and hands every other
-  worker its rows;
-- a `tf.data.Dataset` whose last steps are row-wise maps and a batch:
-  each worker maps only its rows (`keras_parallel.input.tf_data_rows`),
-  cut into its replicas' pieces inside `tf.data`.
-
-The rows travel through TensorFlow's coordination service (the key-value
-store `MultiWorkerMirroredStrategy` starts), not a collective: Keras's
-`tf.data` runs these generators in its own threads, where a collective
-would race the training step's. A reader polls the store, so no thread
-waits inside TensorFlow holding Python's lock. When an entry point ends
-(`close`: its last batch, an error, a preemption's exit), a reader still
-waiting for another worker's rows gives up: deleting a `tf.data` iterator
-waits for its reading thread while holding Python's lock (at the latest
-when the process exits), and a reader that waited for a worker already
-gone would hold the process for ever. For the same reason the iterators
-left in reference cycles (Keras's, after a `Preempted` exit or an error)
-are collected when the process exits (`_collect_before_exit`), while its
-threads can still run Python: at the interpreter's own final collection a
-`tf.data` thread that calls Python is stopped by the interpreter, and the
-iterator's deletion waits for it for ever (seen: 1 exit in about 15 of a
-preempted worker).
-
-Arrays are sliced by `tf.data` from every worker's own copy (cheap: no
-Python work per row) and another `tf.data` pipeline is read whole by every
-worker; worker 0 says so, once per kind (docs/multihost.md).
+Across workers, `get_tf_dataset` gives this worker's rows only, cut into its
+replicas' pieces (docs/design.md, docs/multihost.md). Rows travel through the
+coordination service's store, polled, not a collective: `tf.data` runs the
+generators in threads of its own. Deleting a `tf.data` iterator waits for its
+thread holding Python's lock, so no reader may wait for ever (`close`).
 """
 
 import atexit
@@ -71,9 +31,14 @@ _runs = itertools.count()
 _collects_at_exit = False
 
 
+# The `tf.data` iterators left in reference cycles (Keras's, after a
+# `Preempted` exit or an error) are deleted here, while their threads can
+# still run Python: at the interpreter's own final collection a `tf.data`
+# thread that calls Python is stopped, and the iterator's deletion waits for
+# it for ever (seen: 1 exit in about 15 of a preempted worker).
 def _collect_before_exit():
     """Deletes the `tf.data` iterators left in reference cycles while the
-    process's threads can still run Python (module docstring). Registered
+    process's threads can still run Python (see the comment above). Registered
     after TensorFlow's own exit handlers, it runs before them."""
     gc.collect()
 
@@ -106,8 +71,13 @@ class DividedInput:
             _collects_at_exit = True
             atexit.register(_collect_before_exit)
 
+    # When an entry point ends (its last batch, an error, a preemption's
+    # exit), a reader still waiting for another worker's rows gives up:
+    # deleting a `tf.data` iterator waits for its reading thread while
+    # holding Python's lock (at the latest at exit), and a reader waiting for
+    # a worker already gone would hold the process for ever.
     def close(self, wait_s=2.0):
-        """Ends the readers of this entry point's runs (module docstring).
+        """Ends the readers of this entry point's runs (see the comment above).
 
         Args:
             wait_s: how long to wait for them to leave the store's poll.

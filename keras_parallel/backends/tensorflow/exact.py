@@ -1,46 +1,10 @@
 """Exact data parallelism under `tf.distribute.MirroredStrategy`.
 
-Keras's TensorFlow trainer already runs `fit` under a strategy: each replica
-computes its loss, divides it by the number of replicas
-(`keras.src.losses.loss.scale_loss_for_distribution`), and the optimizer sums
-the replicas' gradients. That is the global mean only when every replica has
-the same number of samples. The last batch of an epoch does not: 43 samples
-over 2 replicas split 22/21, and `(mean_22 + mean_21) / 2` weighs each of the
-21 samples more than each of the 22 (measured: 1.2e-2 off one-device training
-after one epoch of 1003 samples at batch 64).
-
-This module makes the weighting exact while Keras's trainer runs unchanged,
-and `patched` installs what the neighbouring modules make exact:
-
-- `ExactRun.run` (`strategies.py`) (the strategies' `run`) records, in each replica, its sample count
-  `n` and the global count `N` (one scalar all-reduce per step);
-- while an entry point runs, `scale_loss` multiplies a replica's mean loss
-  by `n / N` instead of `1 / num_replicas` in the gradient, so the summed
-  gradient is `sum(losses) / N`, the one-device mean, and gives it a value
-  whose mean over the replicas is the global loss (what a custom
-  `train_step` logs); `unscale_loss` undoes exactly that, so the loss
-  metric sees each replica's true mean with weight `n`;
-- `global_logs` makes each step's logs the metrics read across replicas
-  (the global numbers) rather than the mean of per-replica results;
-- `_maybe_symbolic_build` (`element_spec_build.py`) builds the model from the data set's element
-  spec, drawing no batch (Keras's own draws one, which loses a generator's
-  batches, and averages the replicas' batches, which must then have one
-  shape);
-- `gradients_summed_first` (`summed_gradients.py`) sums the gradients over the replicas before the
-  optimizer clips or accumulates them (Keras's clips each replica's part),
-  and the optimizer then updates each replica's copy without `merge_call`,
-  which `gradient_accumulation_steps`' `tf.cond` cannot hold;
-- `static_keys_in_control_flow` (`collective_keys.py`) keys the collectives of a step that Keras
-  calls inside a `tf.cond` (`steps_per_execution > 1`) when they are traced;
-- `late_distribution` (`element_spec_build.py`) distributes a data set that Keras did not, and
-  builds the optimizer and metrics under the strategy (the first `fit`
-  through `ShardingCallback`), and `ExactRun.run` splits
-  a batch given whole (`train_on_batch`);
-- `synchronized_batchnorm` computes BatchNormalization's batch statistics over
-  the global batch (Keras's `synchronized=True`), as one device would.
-
-Keras's own functions are swapped in only inside `patched(model)`, and are
-used from there only by steps traced inside it.
+Keras divides each replica's mean loss by the replica count, which weighs
+an uneven last batch wrong (docs/tensorflow.md). `patched(model)`, entered
+while an entry point runs, weights it by the replica's share `n / N`, makes
+each step's logs global, and installs the fixes of `element_spec_build`,
+`summed_gradients` and `collective_keys`; steps traced inside keep them.
 """
 
 import contextlib

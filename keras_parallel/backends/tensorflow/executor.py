@@ -1,30 +1,10 @@
 """The TensorFlow executor: `DataParallel` through `tf.distribute.MirroredStrategy`.
 
-Keras's TensorFlow trainer already runs `fit`, `evaluate` and `predict` under
-a `tf.distribute` strategy: it distributes each global batch over the
-replicas (`experimental_distribute_dataset`), runs the step in each
-(`strategy.run`), and the optimizer all-reduces the gradients. It expects the
-model to have been created under the strategy's scope, which a model built
-before the distribution was given was not. So this executor
-
-- re-creates the model's, optimizer's and metrics' variables under a
-  strategy over the mesh's devices, keeping their values (`apply`; see
-  `tf_variables` for what that costs), and tells the model and optimizer
-  which strategy they run under;
-- while an entry point runs, enters the strategy's scope and makes Keras's
-  per-replica loss weighting exact for uneven batches (`scope`; see
-  `tf_exact`);
-- brings everything back to plain one-device variables (`release`).
-
-Across processes (`keras-parallel launch --backend tensorflow`, a
-multi-worker `TF_CONFIG`), the strategy is the one `MultiWorkerMirroredStrategy`
-the bootstrap created (`workers`), `DataParallel()` spans every device of
-every worker, every worker draws worker 0's shuffle and feeds only its rows
-of each global batch, and worker 0 alone prints and writes files.
-
-Only `DataParallel` is available: `tf.distribute` has no equivalent of a
-`LayoutMap` that Keras's TensorFlow backend drives. `ModelParallel` is
-refused in `check`, before anything is touched.
+Keras's TensorFlow trainer runs under a strategy, but needs the variables
+created under its scope. So `apply` re-creates them there, values kept
+(`variables`), `scope` enters the strategy and makes uneven batches exact
+(`exact`), and `release` brings back plain one-device variables. Across
+workers the strategy is `workers`'. `ModelParallel` is refused in `check`.
 """
 
 import contextlib

@@ -1,17 +1,10 @@
 """Moving an existing Keras model's state into (and out of) a tf.distribute strategy.
 
-A `MirroredStrategy` only mirrors variables created under its `scope()`;
-a model built before the distribution was given holds plain `tf.Variable`s.
-Keras's TensorFlow `Variable` is a thin wrapper around one `tf.Variable`
-(`variable._value`), so the model, optimizer and metric state can be moved by
-creating one new `tf.Variable` per Keras variable under the strategy's scope,
-initialised from the old value, and swapping it in. Every object that holds
-the Keras variable (layers, the optimizer, checkpoints) keeps holding it.
-
-Cost: each variable is read once and written once per device (one host copy
-of the whole state, then `num_devices` device copies), and while the swap runs
-the old and the new copies both exist. It happens once per plan (at `compile`
-for a built model, else at the first `fit`), never per step.
+A `MirroredStrategy` mirrors only variables created under its `scope()`. A
+Keras variable wraps one `tf.Variable` (`variable._value`), so each gets a
+new one made under the scope from its old value, swapped in: whatever holds
+the Keras variable keeps holding it. The cost, once per plan, is in
+docs/tensorflow.md.
 """
 
 import tensorflow as tf

@@ -1,29 +1,10 @@
 """TensorFlow across processes: one `MultiWorkerMirroredStrategy` from `TF_CONFIG`.
 
-`keras-parallel launch --backend tensorflow` gives each process a
-`TF_CONFIG` naming every worker's address and this worker's index. Started
-by a cluster's own launcher (`srun`, `mpirun`, Keras's
-`KERAS_DISTRIBUTION_*`), a process with no `TF_CONFIG` gets one computed
-from the detected cluster environment (`fill_tf_config`). The strategy
-must exist before TensorFlow runs anything (it configures the runtime's
-collectives and starts this worker's server), so `initialize_from_environment`
-runs as soon as Keras is imported (`keras_parallel/__init__.py`, through
-`keras_config.after_keras_import`: importing Keras imports TensorFlow but
-runs nothing) and, under `keras-parallel launch`, before the user's script
-(`keras_parallel.launcher.bootstrap`); the executor reuses that one
-strategy.
-
-On a machine without GPUs, `KERAS_PARALLEL_DEVICES_PER_PROCESS=K` (set by
-`--devices-per-process K`) splits each worker's CPU into K logical devices,
-and the strategy runs one replica on each (TensorFlow's own would use one
-CPU device per worker).
-
-What the workers must share besides the variables (which the strategy
-broadcasts from worker 0 when they are created under its scope): worker
-0's NumPy and Python random state, through `broadcast_bytes`
-(`Executor.share_host_random_state`), and `numpy_shuffles` makes Keras draw
-its epoch permutation from NumPy, so that every worker cuts its rows from
-the same shuffle.
+`TF_CONFIG` comes from `keras-parallel launch`, or from the detected cluster
+environment (`fill_tf_config`). The strategy must exist before TensorFlow
+runs anything, so `initialize_from_environment` makes it once Keras is
+imported, and the executor reuses it. The workers also share worker 0's
+random state and draw the epoch's shuffle from NumPy (`numpy_shuffles`).
 """
 
 import contextlib

@@ -1,27 +1,10 @@
 """Keras's gradient accumulation under DDP: one gradient all-reduce per update.
 
-With `optimizer=keras.optimizers.Adam(..., gradient_accumulation_steps=k)`
-Keras's optimizer (`BaseOptimizer._backend_apply_gradients`) adds each of
-the first `k - 1` steps' gradients to an accumulator per variable (a
-micro-step) and, on every `k`-th step, updates the variables with
-`(gradient + accumulator) / k` and zeroes the accumulators.
-
-DDP would all-reduce the gradients of every micro-step although only their
-sum is ever used. So on a micro-step the forward pass runs under DDP's
-`no_sync()` (DDP decides in its forward whether the backward pass reduces):
-the accumulators then hold this rank's own gradient sums. On the update step
-DDP all-reduces the step's gradients as usual, and the accumulators are
-averaged over the ranks in one all-reduce before Keras adds them. The
-gradient is linear in the rows, and each rank's output gradient is already
-scaled so that the mean over ranks is the global batch's gradient
-(`steps.RankSteps._scale`): the mean of the ranks' sums is the sum of the
-global gradients, exactly what one device accumulates. So `k` steps cost one
-gradient all-reduce and one of the accumulators, not `k`.
-
-Under DTensor variables (`shard=`, `ModelParallel`: `mesh_steps`) nothing
-changes: each micro-step's gradient is reduced (reduce-scattered to the
-shard the accumulator holds) as the backward pass computes it, since a
-sharded variable's gradient is only ever held as its shard.
+A micro-step's forward runs under DDP's `no_sync()` (DDP decides in its
+forward whether the backward reduces), so the accumulators hold each rank's
+own sums; the update step averages them over the ranks in one all-reduce.
+That is exact: each rank's output gradient is scaled so that the ranks' mean
+is the global gradient (`steps.RankSteps._scale`). DTensor variables need none.
 """
 
 import contextlib

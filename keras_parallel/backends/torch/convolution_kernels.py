@@ -1,12 +1,10 @@
 """Convolutions on DTensors: what DTensor's own rules get wrong.
 
-- Under `shard="full"` on torch a large variable is a DTensor split over
-  the batch axis, and DTensor's own rules decide how each op reads it.
-  Those of a matmul, an einsum or an embedding read a split weight (each
-  chooses between gathering it and splitting its output, whichever moves
-  less); its convolution rule does not (see `gathered_for_use`).
-- On a mesh of several dimensions, torch 2.14 cannot take the backward
-  pass of a convolution (`LocalConvolutions`).
+DTensor's convolution rule assumes a whole kernel, so under `shard="full"`
+a split kernel is gathered where a convolution reads it (`gathered_for_use`),
+and on a mesh of several dimensions, where torch 2.14 cannot take a
+convolution's backward pass, each process convolves its own rows
+(`LocalConvolutions`).
 """
 
 import contextlib

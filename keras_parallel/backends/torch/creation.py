@@ -1,27 +1,10 @@
 """Variables placed as they are made, inside `distribution.scope()` on torch.
 
-Keras's JAX variables ask the distribution for their layout when they are
-made; its torch variables (Keras 3.15) do not: each is made whole on every
-process, and `MeshRunner.apply` would split it only at `compile`. A model
-too large for one device must never be whole there, so while
-`distribution.scope()` is entered (`TorchExecutor.creation_scope`) every
-floating variable the distribution lays out along a mesh axis is placed
-(`dtensor_layouts.place`: rank 0's value scattered) as soon as its value
-exists, and its whole value freed: a process holds the shards made so far
-and, for a moment, the one variable being made. `compile(distribution=...)`
-then finds the variables already placed and keeps them (`place` returns
-early where the placements match).
-
-Why DTensors and not FSDP2's `fully_shard`: `fully_shard` swaps a torch
-module's registered parameters for DTensors and all-gathers them in
-forward hooks of that module. Keras's torch layers compute with
-`variable.value`, the `torch.nn.Parameter` each `KerasVariable` holds
-(`keras/src/backend/torch/core.py`, `Variable.value`), and register it in a
-`ParameterDict` only so that `model.parameters()` lists it
-(`keras/src/backend/torch/layer.py`, `TorchLayer._track_variables`):
-parameters `fully_shard` replaced would never be read by Keras's math,
-and its hooks would gather what nothing uses. Placing the variables' own
-values as DTensors makes Keras's unchanged ops the sharded computation.
+Keras's torch variables (Keras 3.15) do not ask the distribution for their
+layout: each would be made whole on every process. While the scope is
+entered, every floating variable laid out along a mesh axis is placed
+(`dtensor_layouts.place`, rank 0's value scattered) as soon as its value
+exists, and `compile` keeps it. Why DTensors, not FSDP2: docs/sharding.md.
 """
 
 import contextlib

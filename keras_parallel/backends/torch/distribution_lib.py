@@ -1,32 +1,10 @@
 """`keras.distribution.list_devices()` on torch, with Keras 3.15 too.
 
-A mesh is written once for every backend:
-
-```python
-devices = keras.distribution.list_devices()
-mesh = keras.distribution.DeviceMesh((2, 2), ["data", "model"], devices=devices)
-```
-
-Keras 3.15 has no torch `distribution_lib`, so on torch those calls raise
-`AttributeError: 'NoneType' object has no attribute 'list_devices'`. Keras
-3.16 (keras-nightly) has one: under a process group (or a `WORLD_SIZE` set
-by torchrun) it lists one device per process, `["cpu:0", ..., "cpu:3"]` for
-4 gloo processes (`"gpu:i"` with CUDA), else the local devices. The two
-functions here are those of Keras 3.16, and `provide()` gives them to a
-Keras that has none, this module standing as its torch `distribution_lib`.
-
-Only these two: Keras's `Distribution` asks a `distribution_lib` for
-`num_processes` and `process_id` too, and would then split the data per
-process itself; keras_parallel splits each global batch on torch, so those
-stay as Keras 3.15 has them.
-
-`provide()` runs when Keras has loaded (`keras_parallel/__init__.py`, with
-`keras_config.after_keras_import`), so the script above runs unchanged
-under `keras-parallel launch` and `keras_parallel.launch` (which import
-keras_parallel before the script) and under torchrun once the script has
-imported `keras_parallel`, before or after Keras. The torch executor runs
-it too when it is imported, for the one order the first cannot serve: a
-module of this backend imported before Keras, whose import imports Keras.
+Keras 3.15 has no torch `distribution_lib`; `provide()` gives it this module,
+whose `list_devices` and `get_device_count` are Keras 3.16's (docs/torch.md).
+Only these two: with `num_processes` and `process_id`, Keras's `Distribution`
+would split the data per process itself, where keras_parallel splits each
+global batch on torch.
 """
 
 import os

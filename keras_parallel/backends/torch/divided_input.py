@@ -1,28 +1,10 @@
 """Each rank loads only its rows of every global batch.
 
-Keras's torch trainer reads a batch from a `torch.utils.data.DataLoader`
-(`TorchEpochIterator._get_iterator`): its own, over arrays, or the user's.
-A map-style loader draws each global batch as a list of indices from its
-batch sampler, then loads and collates those rows. `DividedInput` makes a
-loader over the same dataset, collate function and workers whose batch
-sampler hands this rank only its share of each global batch's indices
-(`batches.split_rows`: 43 rows over 2 ranks, 22 and 21), drawn from the
-same global order on every rank (one shuffle: the ranks share rank 0's
-random state). Each rank so converts, loads or decodes `1 / W` of the rows,
-and the global batches, their order and the training stay one device's.
-
-The step still needs the global batch's size (the gradient's scale, the
-gathered predictions): each batch this loader yields is remembered with it
-(`global_rows`), looked up by the object the step receives, which Keras
-passes from the loader to the step untouched.
-
-A `PyDataset` and a generator, which make whole global batches, are made
-by one rank each and shared (`shared_batches`). A `tf.data.Dataset` whose
-last steps are row-wise maps and a batch maps only this rank's rows
-(`keras_parallel.input.tf_data_rows`). Inputs a rank cannot load a share
-of (an `IterableDataset`, a loader without a batch sampler, an infinite
-`PyDataset`, another `tf.data` pipeline) are iterated whole on every rank,
-each rank keeping its rows, as before.
+A map-style `DataLoader`'s batch sampler is given this rank's share of each
+global batch's indices, in the one global order (docs/torch.md). The step
+still needs the global batch's size: each batch is remembered with it
+(`global_rows`), keyed by the object itself, which Keras passes from the
+loader to the step untouched. `PyDataset`s and generators: `shared_batches`.
 """
 
 import weakref

@@ -1,26 +1,10 @@
 """Keras variables held as torch DTensors: mesh, placements, placing, gathering.
 
-Under `ModelParallel` every floating model variable, and every optimizer slot
-that follows one, holds a `torch.distributed.tensor.DTensor` (inside the
-`torch.nn.Parameter` Keras keeps in `variable._value`) on a torch
-`DeviceMesh` made from the Keras `DeviceMesh`: the same shape, the same axis
-names in the same order, and rank `i` where the Keras mesh names device
-`cpu:i` (or `cuda:i`). Each mesh axis becomes one placement: `Shard(d)` when
-the variable's layout puts that axis on its dimension `d`, else
-`Replicate()`. So a process holds only its shard of a split variable.
-
-Where Keras's own torch backend knows DTensors (keras-nightly:
-`keras.src.backend.torch.distribution_lib`), its pieces are used: the mesh
-is the Keras mesh's own `backend_mesh`, the placements its
-`TensorLayout.backend_layout`, the values are placed by its
-`distribute_tensor`, and `variable._layout` is set so that its
-`Variable._direct_assign` redistributes what is assigned. With Keras 3.15,
-which has none of these, the same objects are made here with torch's API.
-
-Integer variables (seed-generator states) and the optimizer's own scalars
-(iterations, learning rate) stay plain tensors: they never meet a sharded
-tensor in an op that needs a placement, and `promotion()` treats them as
-replicated where they do.
+Under `ModelParallel` every floating model variable, and every optimizer
+slot that follows one, holds a DTensor on the torch mesh of the Keras mesh
+(docs/torch.md). Integer variables and the optimizer's own scalars stay
+plain: no op needs their placement, and `promotion()` treats them as
+replicated. Keras's own DTensor pieces are used where it has them (3.16+).
 """
 
 import contextlib
@@ -109,7 +93,8 @@ def is_dtensor(value):
 
 
 def is_placed(entry, variable):
-    """Whether the plan's `entry` makes `variable` a DTensor (module docstring)."""
+    """Whether the plan's `entry` makes `variable` a DTensor (not integers, not
+    the optimizer's own scalars: see the module docstring)."""
     if not torch.is_floating_point(variable._value):
         return False
     return entry.kind == "model" or entry.key.startswith("(follows")

@@ -1,15 +1,10 @@
 """The torch executor: DistributedDataParallel under Keras's own torch trainer.
 
-One process per device (`torchrun`, `keras-parallel launch` or
-`keras_parallel.launch`), each running the user's unchanged script under
-Keras's torch trainer. `apply` broadcasts rank 0's weights, folds the rank
-into the dropout seed states and makes saving rank 0's; `scope` installs
-the rank steps (`steps.RankSteps`), the step-log policy, rank 0's random
-state on every rank, chief-only callbacks and, with `sync_batchnorm`,
-global batch statistics; the collectives run over `torch.distributed`.
-In one process without a group, `fit` is plain Keras. A distribution that
-splits variables (ModelParallel, `shard=`) runs on DTensors
-(`model_parallel.MeshRunner`); one that splits only the batch runs on DDP.
+One process per device, each running the unchanged script under Keras's
+torch trainer (docs/torch.md). `apply` gives every rank rank 0's weights and
+`scope` installs the per-rank steps (`steps.RankSteps`); a distribution that
+splits variables runs on DTensors (`model_parallel.MeshRunner`). In one
+process without a group, `fit` is plain Keras.
 """
 
 import contextlib
@@ -253,6 +248,12 @@ class TorchExecutor(Executor):
 
     @contextlib.contextmanager
     def scope(self, model):
+        # Keras 3.16 wraps the model in its DDP as it makes a step function,
+        # before an unbuilt model is planned (its first `predict`): off from
+        # the start, and put back if no plan took the model.
+        distributed = torch_group.is_distributed()
+        if distributed:
+            keras_ddp_off(model)
         try:
             yield
         except BaseException as error:
@@ -260,6 +261,9 @@ class TorchExecutor(Executor):
             # collective (they may never reach one).
             torch_group.publish_failure(self.process_index, error)
             raise
+        finally:
+            if distributed and model is not self._model:
+                keras_ddp_off(model, off=False)
 
     @contextlib.contextmanager
     def planned_scope(self, model):

@@ -1,24 +1,10 @@
 """The mean gradient over the ranks where DDP cannot make it.
 
-`DistributedDataParallel` reduces a gradient as the backward pass makes it,
-and must know which parameters will get one: a parameter that gets none (an
-output compiled with loss `None`, a layer after the last `add_loss`) stalls
-its reduction ("Expected to have finished reduction in the prior
-iteration"), even with `find_unused_parameters` or `static_graph` when the
-output it feeds is returned. One device simply leaves such a parameter
-alone: Keras's optimizer skips a gradient of `None`.
-
-`GradientMean` averages the gradients when the optimizer is handed them
-instead: one all-reduce of every trainable gradient (zeros where a rank has
-none) and a count per variable of the ranks that had one. A variable no
-rank computed a gradient for stays `None`, as on one device; the others are
-the sum over ranks over the world size, as DDP's average (a rank's rows
-that do not reach a variable contribute zero, as on one device).
-
-The torch executor runs the first training step with it, and hands the
-model to DDP once every trainable variable had a gradient on every rank
-(`all_used`): the everyday model pays one step without DDP's overlap, and a
-model with unused variables keeps `GradientMean`.
+DDP stalls on a parameter that gets no gradient ("Expected to have finished
+reduction in the prior iteration"). `GradientMean` averages at the optimizer
+instead: one all-reduce of every gradient (zeros where a rank has none) and
+of which ranks had one; a variable no rank had one for stays `None`, as on
+one device. The first step runs with it; DDP takes over once all were used.
 """
 
 import torch

@@ -1,26 +1,10 @@
 """The torch process group: started from the environment, torn down once.
 
-One process per device, as `torchrun` (or `keras_parallel.launch`) starts
-them: each finds its rank in `RANK` / `WORLD_SIZE` / `LOCAL_RANK`. If those
-say there are several processes and no group exists yet, keras_parallel
-starts one (NCCL on `cuda:LOCAL_RANK` where there are GPUs, gloo on CPU
-otherwise) and, because it started it, destroys it at exit. A group the user
-started is the user's to destroy. Started by a cluster's own launcher
-(`srun`, `mpirun`, Keras's `KERAS_DISTRIBUTION_*`), a process finds those
-variables unset: they are filled from the detected cluster environment
-(`keras_parallel.cluster_environments`) first.
-
-A failing rank is named: the step that raises writes `"<rank>: <error>"`
-under `FAILURE_KEY` in the group's store before re-raising, and a rank whose
-collective then breaks reads it and raises `PeerFailedError` naming that
-rank. Under `torchrun` and `launch` the store lives in the launcher, so it
-outlives any rank, rank 0 included.
-
-A group of one process is plain Keras on one device, unless
-`KERAS_PARALLEL_ONE_PROCESS_GROUP=1`: then the group is started (from the
-same variables, `WORLD_SIZE=1`) and the whole distributed path runs on it
-(DDP, the metrics' and the batch check's all-reduces, the executor's
-collectives), as `benchmarks/gpu_check.py` runs it on one GPU.
+A group started here (from `RANK` / `WORLD_SIZE` / `LOCAL_RANK`) is destroyed
+here at exit; one the user started is the user's. A failing rank writes
+`"<rank>: <error>"` under `FAILURE_KEY` in the group's store (under torchrun
+and `launch` the launcher's: it outlives every rank), and the others raise
+`PeerFailedError` naming it. `ONE_PROCESS_GROUP_ENV`: see docs/torch.md.
 """
 
 import atexit

@@ -1,40 +1,10 @@
 """What each rank does inside Keras's torch steps under `ModelParallel`.
 
-The variables are DTensors on the torch mesh (`dtensor_layouts`). Everything
-that surrounds the model's forward pass (the loss, the metrics, Keras's
-trainer) stays on plain tensors, as under DataParallel (`steps.RankSteps`,
-which this extends); only the model's own `call` runs on DTensors:
-
-- Rows: the ranks of one data group (the same index along the batch axis)
-  compute the same rows: a global batch of `B` rows over a batch axis of
-  size `D` gives each group `B / D` contiguous rows. A batch that `D` does
-  not divide (the last of an epoch) is computed whole by every rank, as the
-  JAX executor places it replicated: nothing is padded, dropped or counted
-  twice, and BatchNorm sees the true batch.
-- Forward: the rows enter `call` as a DTensor split along the batch axis
-  (`Shard(0)`) and replicated along the others, so every op inside sees the
-  global batch (a BatchNorm mean is the global batch's), and leave it as
-  this group's rows of the outputs, a plain tensor. `<layer>/output` keys
-  redistribute that layer's outputs (DTensor's autograd redistributes their
-  gradients back in the backward pass).
-- Backward: each rank's output gradient is scaled by `1 / D` (1 for a whole
-  batch), so the sum over groups is the gradient of the global mean loss.
-  Before the optimizer runs, every gradient is redistributed to its
-  variable's placements: the partial sums over the batch axis (and over a
-  model axis, for a replicated variable used with split ones) are
-  all-reduced there. Optimizer slots are DTensors with their variable's
-  placements, so the update runs shard by shard.
-- Added losses: `add_loss` (an activity regularizer too) runs inside
-  `call` on the DTensor of the global batch, so its DTensor scalar is the
-  global batch's value; it is made whole and plain (`full_tensor()`) once
-  the forward pass has run. A weight regularizer reads its variable's
-  whole value, and its loss is plain. Keras adds both to the plain loss;
-  each is replicated, so DTensor's autograd counts its gradient once, as
-  one device does, and it is not scaled by `1 / D` as the outputs'
-  gradients are.
-- Metrics: one rank per data group (the one at index 0 of every other axis)
-  counts its rows; the base class sums the counts over ranks.
-- Predict: the groups' rows are gathered in input order on every rank.
+Only the model's own `call` runs on DTensors; the loss, the metrics and the
+trainer stay on plain tensors, as under DataParallel (`steps.RankSteps`,
+which this extends). The ranks of one data group compute the same rows,
+the global batch's split along the batch axis, and each output gradient is
+scaled by `1 / D` (D: the data axis's size) for the global mean's gradient.
 """
 
 import contextlib

@@ -1,18 +1,10 @@
 """A model's metric states, made global over the ranks by their change.
 
-Every rank updates its own metric states (the loss tracker's total and
-count, an accuracy's, ...) from the rows it computed. Made global, each
-state is its value when last made global plus the sum over the ranks of its
-change since: the single-process numbers, the same on every rank, for
-additive states (sums and counts), as every built-in Keras metric has. The
-all-reduce that does it also carries the rows and a checksum of the batches
-each rank saw since, so that ranks fed other data fail alike
-(`batches.check_same_batches`), and any other numbers the caller adds (a
-custom step's logs, `step_logs.ReturnedLogs`). Where the states are made
-global in every step (a callback reads each step's logs), the comparison
-stays on the device and is read once, when the states are next made
-global outside a step (`verify`): nothing but the logs themselves is read
-on the host per step.
+Made global, each state is its value when last made global plus the sum over
+the ranks of its change since: one device's numbers for additive states.
+The same all-reduce carries the batches' rows and checksum, for
+`batches.check_same_batches`, and a custom step's logs; per step, the check
+stays on the device until `verify`, so only the logs are read on the host.
 """
 
 import numpy as np

@@ -1,28 +1,10 @@
 """`ModelParallel` on torch: the executor's hooks for a mesh of DTensors.
 
-The torch executor hands a `ModelParallel` whose mesh splits anything but
-the batch, and any distribution with `shard=` ("full": variables, gradients
-and optimizer state as shards over the batch axis, ZeRO-3; "optimizer":
-whole variables, sharded optimizer state and gradients, ZeRO-2, see
-`gradient_axes`), to a `MeshRunner` (`runs_on_mesh`; DataParallel, and a
-mesh whose every other axis has size 1, keep DistributedDataParallel, which
-is faster). Why DTensors and not FSDP2: `creation`'s docstring.
-
-- `apply`: makes the torch `DeviceMesh` (once), places every variable the
-  plan lays out as a DTensor (`dtensor_layouts`), re-registers the layers'
-  torch parameters, and, for the model's whole distributed life (through
-  either door, after an entry point as inside one), makes its values
-  readable and writable: every rank gathers before the model is saved,
-  rank 0 writes; a placed variable's `numpy()` (so `get_weights()` of the
-  model and of each layer) gathers its whole value, and its `assign()`
-  (`set_weights`, `load_weights`) takes a whole value, the same on every
-  rank.
-- `scope_parts`: the `MeshSteps` (rows, DTensor forward, reduced gradients,
-  global metrics), the choice of when metrics are made global, and the
-  chief-only callbacks (`ModelCheckpoint` runs on every rank: saving a split
-  variable is a collective).
-- `saving`: every rank gathers the split variables, rank 0 writes.
-- `release`: every variable whole and plain again.
+A distribution that splits variables or asks for `shard=` runs through a
+`MeshRunner` (`runs_on_mesh`); one that splits only the batch keeps DDP,
+which is faster. `apply` places the variables as DTensors and, for the
+model's distributed life, gathers them to be read or saved; `scope_parts`
+installs the `MeshSteps`; `release` makes every variable plain again.
 """
 
 import contextlib

@@ -1,13 +1,10 @@
 """Layer outputs under `ModelParallel` on torch: where each is laid out.
 
-While `MeshSteps` are installed, every layer's `call` is wrapped so that
-its DTensor outputs take the placements the plan gives them: a
-`<layer>/output` key's, or by default partial sums finished and the batch
-split along the batch axis only; their gradients come back with the same
-placements (`PlacedGradient`). Two Keras layers get a fix of their own
-here (torch 2.13): `Embedding` with a table split along its rows, and
-`MultiHeadAttention` (see `OutputConstraints`). Inside the layers, every
-partial sum is finished where it is made (`FinishedSums`).
+While `MeshSteps` are installed, every layer's DTensor outputs take their
+planned placements (`OutputConstraints`), and their gradients the same
+(`PlacedGradient`); inside the layers, partial sums are finished where they
+are made (`FinishedSums`). `Embedding` and `MultiHeadAttention` get fixes of
+their own (torch 2.13).
 """
 
 import torch

@@ -1,13 +1,9 @@
 """Each rank's own random stream for what a train step draws.
 
-Keras's torch dropout without a seed (`Dropout(0.5)`) draws from torch's
-global generator. Every rank starts each entry point from rank 0's global
-random state, so that all ranks shuffle the data alike; left there, every
-rank would also draw the same dropout masks for its rows, where one device
-draws a different mask for every row of the global batch. So while a train
-step runs, each rank uses a generator state of its own (seeded once from the
-shared state and its rank) and the shared state is put back after: the
-shuffle stays shared, the masks do not.
+Every rank starts from rank 0's global random state, so that all shuffle
+alike; unseeded dropout drawing from it would then give every rank the same
+masks. So a train step runs on a generator state of the rank's own (seeded
+once from the shared state and the rank), and the shared state is put back.
 """
 
 import torch

@@ -1,13 +1,9 @@
 """Every rank compares the size of its data before an epoch starts.
 
-Ranks whose data differ in size would run different numbers of steps, or
-steps of different sizes, and the first collective that differs aborts gloo
-("Received data size doesn't match expected size") or hangs. Keras's torch
-`fit` (each epoch, and its validation), `evaluate` and `predict` start
-iterating their data in `TorchEpochIterator.__iter__`, before any such
-collective: there every rank gathers every rank's `data_size` (one
-all-gather of a fixed shape) and all raise the same `ValueError` if they
-differ.
+Ranks whose data differ in size would meet different collectives, and gloo
+aborts ("Received data size doesn't match expected size") or hangs. So in
+`TorchEpochIterator.__iter__`, before any collective, the ranks all-gather
+their `data_size` and all raise the same `ValueError` if they differ.
 """
 
 import sys

@@ -1,27 +1,10 @@
 """Batches one rank prepares and shares: a `PyDataset`, a generator.
 
-A `keras.utils.PyDataset` makes a whole global batch in `__getitem__(i)`,
-and a generator yields one; no rank can load only its rows of them. So the
-ranks share the work instead of repeating it:
-
-- `PyDataset` (finite, one worker: made in Keras's order): the epoch's
-  batches are owned round-robin (the batch at position `k` of the epoch's
-  order by rank `k mod W`). At every `W`-th position each rank makes the
-  one batch it owns among the next `W`, all ranks at once, and at each of
-  those positions the owner scatters to every rank its rows of its batch.
-  Each rank so makes `1 / W` of the batches, in parallel with the others,
-  and holds one at a time. (Made on the main thread: a thread making
-  batches ahead would hold the GIL against every step's torch calls.)
-- generator: rank 0 alone draws from it (Keras's own iterator of the
-  generator) and scatters each batch's rows; the other ranks never draw
-  (beyond the one batch Keras peeks when `fit` starts). The work is one
-  device's, not `W` times it.
-
-The order is Keras's (`PyDataset` shuffled with Python's `random`, whose
-state every rank shares); a batch's rows are `batches.split_rows`'; each
-batch a rank yields is remembered with its global size
-(`DividedInput.global_rows`). The scatter is one collective per batch, in
-the same order on every rank.
+Neither lets a rank load only its rows. A `PyDataset`'s batches are made
+round-robin, each by one rank, which scatters every rank its rows; they are
+made on the main thread, since a thread making batches ahead would hold the
+GIL against every step's torch calls. A generator is drawn by rank 0 alone.
+Each scatter is one collective per batch, in the same order on every rank.
 """
 
 import numpy as np

@@ -1,22 +1,10 @@
 """When per-step logs must be global numbers, on torch.
 
-Making the loss and metrics of a step global costs one small all-reduce per
-step (1.5 ms with gloo between two single-threaded processes here: 4 to 7 %
-of a step of the guide's convnet). Keras's epoch logs, `evaluate`'s results
-and the History need the global numbers only when the epoch (or the
-evaluation) ends. So the all-reduce runs after every step only when some
-callback reads per-step logs (a progress bar updated per step, a
-`TerminateOnNaN`, a user's `on_train_batch_end`); otherwise the metric
-states are summed over ranks once, when Keras reads them at the end.
-
-The choice must be the same on every rank, or the ranks would wait on
-different collectives: it depends only on the callbacks the user passed and
-`verbose`, which are the same on every rank, never on which callbacks a
-rank took out of its run, and only on the model's own runs (not on a model that one of its
-callbacks evaluates).
-
-A custom step returns logs of its own (`ReturnedLogs`): they are made
-global in the same all-reduce, at the same moment.
+The metrics' all-reduce runs after every step only when a callback reads
+per-step logs, else once when Keras reads the results (docs/benchmarks.md:
+4 to 7 % of a step). The choice must be the same on every rank, or the ranks
+wait on different collectives: it reads only the callbacks the user passed
+and `verbose`, never which a rank took out, and only the model's own runs.
 """
 
 import numpy as np

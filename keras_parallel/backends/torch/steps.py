@@ -1,15 +1,10 @@
-"""What each rank does inside Keras's own torch steps (docs/torch.md, "What
-each rank does").
+"""What each rank does inside Keras's own torch steps (docs/torch.md).
 
-Every rank runs Keras's unchanged loop over the same global batches; only
-one step changes, for both doors: the rank takes its rows of the batch
-(or loaded only those, `divided_input`), its forward pass goes through
-`DistributedDataParallel` with its output gradient scaled by its share of
-the rows (so an uneven batch's average is the global mean's gradient),
-its metric states are made global by one all-reduce of their changes
-(every step when a callback reads step logs, else when Keras reads the
-results: `metric_states`, `step_logs`), and `predict` gathers every rank's
-rows back in input order.
+Every rank runs Keras's loop over the same global batches; in one step it
+takes its rows, runs the forward pass through `DistributedDataParallel` with
+its output gradient scaled by its share of the rows (so an uneven batch's
+average is the global mean's gradient), makes the metric states global
+(`metric_states`, `step_logs`), and gathers `predict`'s rows in input order.
 """
 
 import contextlib

@@ -1,12 +1,9 @@
 """`sync_batchnorm=True`: Keras BatchNormalization with global batch statistics.
 
-Under data parallelism each rank normalises its own rows unless told
-otherwise; JAX data parallelism (one program over the global batch) uses the
-statistics of the whole global batch. This gives a Keras `BatchNormalization`
-layer the same on torch: its `_moments` (the only place it computes batch
-statistics) is replaced, while an entry point runs, by one that sums the
-rows' sums, squares and count over ranks with an autograd-aware all-reduce
-(as `torch.nn.SyncBatchNorm` does), so the backward pass is global too.
+While an entry point runs, a `BatchNormalization`'s `_moments` (the only
+place it computes batch statistics) sums the rows' sums, squares and count
+over the ranks with an autograd-aware all-reduce, as `torch.nn.SyncBatchNorm`
+does, so the backward pass is global too.
 """
 
 import math

@@ -1,19 +1,10 @@
 """One value per step, weighted by the rows behind it, on torch ranks.
 
-Keras's own steps update their loss tracker with the batch's rows as its
-weight (`sample_weight=batch_size`), so summing every rank's update counts
-each row once. A custom step as the Keras guide "Customizing what happens
-in fit() with PyTorch" writes it updates it with one value per step,
-`loss_tracker.update_state(loss)`: weight 1. On one device an epoch's loss
-is then the mean of the steps' losses; summed over `W` ranks it is the
-mean of `W` per-rank means, which weighs the rows of an uneven batch
-(22/21) by their rank, not by their number. Weighting each counting rank's
-update by `W` times its share of the batch's rows (`W * n_r / N`) makes
-every step weigh `W` in all, and the mean of its updates the step's global
-mean: the one-device epoch loss, up to the same factor `W` on every step.
-That holds whichever ranks count a step: every rank, the leader of each
-data group under ModelParallel (each `W / D`), or one rank for a batch
-computed whole (`W`).
+A custom step that updates a `Mean` with one value per step (the Keras
+guide's `loss_tracker.update_state(loss)`) gives it weight 1, and summed over
+ranks that weighs an uneven batch's rows by their rank. So each counting
+rank's update weighs `W * n_r / N`: every step weighs `W` in all, and the
+epoch's mean is one device's.
 """
 
 import contextlib
