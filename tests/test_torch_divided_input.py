@@ -155,3 +155,27 @@ def test_evaluate_and_predict_divide_their_input_too(name, two_ranks, one_proces
     workers.assert_divided_after_fit(
         two_ranks[name], one_process[name], CASES[name]["kind"]
     )
+
+
+def test_a_batch_drawn_before_the_epoch_ends_keeps_its_global_size():
+    # Keras 3.16 runs `steps_per_execution` batches per step function: it
+    # draws the epoch's last batches, and the input's end, before the steps
+    # take them. Each must still be known as its global batch's share, or
+    # the step would count this rank's rows as the global batch's.
+    import torch
+
+    from keras_parallel.backends.torch.divided_input import DividedInput
+
+    def pairs(*pairs):
+        yield from pairs
+
+    divided = DividedInput(world_size=2, rank=0)
+    batches = [torch.zeros((32, 3)), torch.zeros((22, 3))]  # Of 64 and 43.
+    drawn = list(divided.remembered_pairs(pairs((64, batches[0]), (43, batches[1]))))
+    assert [divided.global_rows(b) for b in drawn] == [64, 43]
+    # A batch no step took is forgotten when the next epoch starts.
+    skipped = torch.zeros((32, 3))
+    list(divided.remembered_pairs(pairs((64, skipped))))
+    next_epoch = divided.remembered_pairs(pairs((64, torch.zeros((32, 3)))))
+    next(next_epoch)
+    assert divided.global_rows(skipped) is None

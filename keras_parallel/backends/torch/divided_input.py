@@ -27,6 +27,7 @@ class DividedInput:
         self.world_size = world_size
         self.rank = rank
         self._global_rows = {}  # id(batch) -> (batch, global rows)
+        self._leftover = []
         self._loaders = weakref.WeakKeyDictionary()
         #: The kinds of input seen: `{"DataLoader": True, "generator": False}`
         #: (whether each was divided).
@@ -121,7 +122,11 @@ class DividedInput:
         Args:
             pairs: a generator of `(global rows, this rank's batch)`.
         """
+        # Batches an earlier epoch yielded and no step took (passed over by
+        # a resumed run), forgotten now.
+        self._forget(self._leftover)
         kept = []
+        finished = False
         try:
             for rows, batch in pairs:
                 if rows is None:  # A whole global batch.
@@ -132,10 +137,19 @@ class DividedInput:
                 if len(kept) > 64:
                     kept = [key for key in kept if key in self._global_rows]
                 yield batch
+            finished = True
         finally:
-            for key in kept:
-                self._global_rows.pop(key, None)
+            if finished:
+                # With `steps_per_execution` above 1 Keras draws the epoch's
+                # last batches, and this end, before it steps on them.
+                self._leftover = kept
+            else:
+                self._forget(kept)
             pairs.close()
+
+    def _forget(self, keys):
+        for key in keys:
+            self._global_rows.pop(key, None)
 
 
 def _tf_data_batches(own):
