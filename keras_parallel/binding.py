@@ -139,7 +139,12 @@ class Binding:
                 inputs = self.executor.step_inputs(kind, args)
                 if inputs is not None:
                     build_from_inputs(model, inputs)
-                    self.prepare(model)
+                    if self.prepare(model):
+                        # Keras 3.16 binds `predict_step` as it makes the
+                        # function: made again, it runs the planned step.
+                        model.make_predict_function(force=True)
+                        self.wrap_steps(model)
+                        return model.predict_function(*args, **kwargs)
             return function(*args, **kwargs)
 
         return step
