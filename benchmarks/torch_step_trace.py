@@ -1,0 +1,106 @@
+"""Traces one torch training step: where it crosses between Keras and keras_parallel.
+
+Issue 34 measures the seam by one step of `fit` on rank 0 of 2: how often the
+step passes from Keras's code to keras_parallel's and back, and which
+keras_parallel modules it visits. Two counts are printed: every call from
+one side into the other (Keras's small helpers such as `tree.flatten` and a
+variable's `value` included), and the crossings of control (keras_parallel
+calling Keras's step, forward pass or metrics, and those calling back).
+
+    KERAS_BACKEND=torch python benchmarks/torch_step_trace.py
+"""
+
+import sys
+
+#: Keras's functions of control in a step; any other is a helper.
+_CONTROL = {
+    "train_step",
+    "call",
+    "__call__",
+    "compute_loss",
+    "compute_metrics",
+    "get_metrics_result",
+    "apply",
+    "apply_gradients",
+    "_call",
+    "forward",
+}
+
+
+def _trace_one_step():
+    import keras
+    import numpy as np
+    import torch
+
+    import keras_parallel
+
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = Net(inputs, keras.layers.Dense(4)(hidden))
+    model.compile(
+        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+    )
+    x = np.random.rand(256, 8).astype("float32")
+    y = np.random.rand(256, 4).astype("float32")
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)  # DDP and steps made.
+
+    events = []
+    visited = set()
+
+    def side(frame):
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("keras_parallel"):
+                return "keras_parallel", module, frame.f_code.co_name
+            if module.startswith("keras"):
+                return "keras", module, frame.f_code.co_name
+            frame = frame.f_back
+        return None, "", ""
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        callee = side(frame)
+        caller = side(frame.f_back)
+        if callee[0] == "keras_parallel":
+            visited.add(callee[1])
+        if callee[0] and caller[0] and callee[0] != caller[0]:
+            events.append((caller, callee))
+
+    batch = (torch.as_tensor(x[:64]), torch.as_tensor(y[:64]))
+    with model._kp_binding.running(model):
+        step = model.train_step  # The distributed step, installed in scope.
+        sys.setprofile(profile)
+        try:
+            step(batch)
+        finally:
+            sys.setprofile(None)
+    return events, sorted(visited)
+
+
+def _is_control(caller, callee):
+    # Keras's `__setattr__` hook reaching a model's own is bookkeeping.
+    if callee[2] == "__setattr__":
+        return False
+    return caller[2] in _CONTROL or callee[2] in _CONTROL
+
+
+def main():
+    from keras_parallel.launcher.torch_processes import launch
+
+    events, modules = launch(_trace_one_step, 2, timeout=180)[0]
+    control = [(a, b) for a, b in events if _is_control(a, b)]
+    print(f"calls across the boundary, helpers included: {len(events)}")
+    print(f"crossings of control: {len(control)}")
+    for (_, caller_module, caller), (_, module, function) in control:
+        print(f"  {caller_module}.{caller} -> {module}.{function}")
+    print(f"keras_parallel modules visited: {len(modules)}")
+    for module in modules:
+        print(f"  {module}")
+
+
+if __name__ == "__main__":
+    main()
