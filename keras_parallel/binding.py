@@ -8,7 +8,7 @@ Neither door holds logic the other lacks.
 
 import contextlib
 
-from keras_parallel import report
+from keras_parallel import callback_lists, report
 from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.keras_compat import print_msg
@@ -162,6 +162,8 @@ class Binding:
         if self._depth == 1:
             self._scope = contextlib.ExitStack()
             try:
+                # A plan applied inside this run finds the run's callbacks.
+                self._scope.callback(callback_lists.track_lists())
                 self._scope.enter_context(self.executor.scope(model))
                 backups = ExactBackups(self.executor)
                 backups.install()

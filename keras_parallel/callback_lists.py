@@ -11,21 +11,29 @@ is the only attribute of the list replaced for this, and only while a
 handler is registered.
 """
 
+import weakref
+
 from keras.callbacks import CallbackList
 
 from keras_parallel.replacements import Replacements
 
 _handlers = []
 _replacements = Replacements()
+#: The last list made while a handler was registered (a weak reference).
+_latest = [None]
 
 
-def add_handler(handler):
+def add_handler(handler, model=None):
     """Calls `handler(callback_list)` for each list Keras makes from now on.
 
     Args:
         handler: a function of the finished `CallbackList` (its callbacks
             have their model and params). Handlers run in the order they
             were added.
+        model: a handler added while a run of `model` is under way (a plan
+            applied inside `fit`, when Keras makes the step function, after
+            the list and before its first hook) is also called, now, on
+            that run's list.
 
     Returns:
         A function that removes the handler (safe to call twice).
@@ -39,12 +47,16 @@ def add_handler(handler):
     if not _handlers:
         _replacements.replace(CallbackList, "set_params", _set_params)
     _handlers.append(entry)
+    latest = _latest[0] and _latest[0]()
+    if model is not None and latest is not None and latest.model is model:
+        handler(latest)
 
     def remove():
         if any(e is entry for e in _handlers):
             _handlers[:] = [e for e in _handlers if e is not entry]
             if not _handlers:
                 _replacements.restore()
+                _latest[0] = None
 
     return remove
 
@@ -54,8 +66,23 @@ _keras_set_params = CallbackList.set_params
 
 def _set_params(callback_list, params):
     _keras_set_params(callback_list, params)
+    _latest[0] = weakref.ref(callback_list)
     for (handler,) in list(_handlers):
         handler(callback_list)
+
+
+def _tracked(callback_list):
+    """Does nothing: registered, it makes `_set_params` see every list."""
+
+
+def track_lists():
+    """Sees every list made until the returned function is called, so that
+    a handler added later in the run can be given the run's list.
+
+    Returns:
+        A function that stops it.
+    """
+    return add_handler(_tracked)
 
 
 def remove_callbacks(callback_list, kinds):

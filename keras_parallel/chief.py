@@ -35,17 +35,21 @@ class ChiefOnlyCallbacks:
             across processes gathers split variables): `ModelCheckpoint`
             then runs on every rank, and `chief_only_saving` makes the
             model's saves write on rank 0 only.
+        model: the model whose run may be under way when this is installed
+            (a plan applied inside `fit`): that run's list too.
     """
 
-    def __init__(self, collective_saving=False):
+    def __init__(self, collective_saving=False, model=None):
         self.kinds = _rank_zero_callbacks(collective_saving)
+        self.model = model
         self._remove = None
 
     def install(self):
         self._remove = callback_lists.add_handler(
             lambda callback_list: callback_lists.remove_callbacks(
                 callback_list, self.kinds
-            )
+            ),
+            model=self.model,
         )
 
     def uninstall(self):

@@ -456,8 +456,11 @@ def test_four_ranks_equal_single_process(single):
         )
 
 
-def test_rank_zero_alone_prints_and_writes(tmp_path):
-    outputs = _launch(workers.chief_writes, 2, args=(str(tmp_path),))
+@pytest.mark.parametrize("built", [True, False], ids=["built", "planned_in_fit"])
+def test_rank_zero_alone_prints_and_writes(tmp_path, built):
+    # Planned in fit: the plan, and what only rank 0 runs, come after Keras
+    # made the run's callbacks; they are taken out of that run too.
+    outputs = _launch(workers.chief_writes, 2, args=(str(tmp_path), built))
     printed = [text for text, _ in outputs]
     assert "cpu:1" in printed[0] and "loss" in printed[0]  # Plan, progress.
     assert printed[1].strip() == ""

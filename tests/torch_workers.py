@@ -444,12 +444,15 @@ def sleep_forever():
     time.sleep(3600)
 
 
-def chief_writes(directory):
+def chief_writes(directory, built=True):
     """Fits with progress, CSVLogger, ModelCheckpoint, then model.save.
 
     Returns what this rank printed and the files in `directory` after a
     barrier (so rank 1 sees rank 0's files). Each rank names its CSV log
     for itself (`log-<rank>.csv`): a rank that wrote would leave its own.
+    With `built=False` the model is a Sequential without an input shape,
+    built and planned inside its first `fit`, after Keras made the run's
+    callbacks.
     """
     import contextlib
     import io
@@ -460,7 +463,14 @@ def chief_writes(directory):
     import keras_parallel
 
     x, y = make_data(256)
-    model = make_model()
+    if built:
+        model = make_model()
+    else:
+
+        class Net(keras_parallel.DistributedModel, keras.Sequential):
+            pass
+
+        model = Net([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
     _compile(model, keras_parallel.DataParallel())
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -178,7 +178,7 @@ class JaxExecutor(Executor):
             # One shuffle for all processes: process 0's.
             self.share_host_random_state()
             if not self.is_chief:
-                chief_only = ChiefOnlyCallbacks(collective_saving=True)
+                chief_only = ChiefOnlyCallbacks(collective_saving=True, model=model)
                 chief_only.install()
         try:
             yield

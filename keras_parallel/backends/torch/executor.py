@@ -300,7 +300,7 @@ class TorchExecutor(Executor):
         ):
             parts.append(SyncBatchNorm(model))
         if not self.is_chief:
-            parts.append(ChiefOnlyCallbacks())
+            parts.append(ChiefOnlyCallbacks(model=model))
         return parts
 
     def release(self, model):

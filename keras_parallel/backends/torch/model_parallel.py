@@ -147,7 +147,7 @@ class MeshRunner:
         """What `TorchExecutor.scope` installs while an entry point runs."""
         parts = [self.steps, StepLogPolicy(self.steps)]
         if not self.executor.is_chief:
-            parts.append(ChiefOnlyCallbacks(collective_saving=True))
+            parts.append(ChiefOnlyCallbacks(collective_saving=True, model=model))
         return parts
 
     @contextlib.contextmanager

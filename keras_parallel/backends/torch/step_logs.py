@@ -69,7 +69,7 @@ class StepLogPolicy:
         self._remove = None
 
     def install(self):
-        self._remove = callback_lists.add_handler(self._choose)
+        self._remove = callback_lists.add_handler(self._choose, model=self.steps.model)
 
     def uninstall(self):
         if self._remove is not None:
