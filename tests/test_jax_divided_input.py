@@ -140,13 +140,17 @@ def test_each_process_loads_the_rows_its_devices_hold(two_processes, one_device)
 def test_each_process_maps_its_rows_of_a_tf_data_pipeline(two_processes, one_device):
     alone = one_device["tfdata"]["loaded"]
     batches = [64] * 15 + [43] + [64] * 4 + [45]
-    assert 2 * sum(batches) <= alone <= 2 * sum(batches) + 3 * 64
+    # Beyond its rows, each abandoned iterator (Keras's first look at the
+    # data) may map what `prefetch(2)` and the map in progress hold: CI saw
+    # 3.5 batches on torch, 3.3 here, so allow 6.
+    slack = 6 * 64
+    assert 2 * sum(batches) <= alone <= 2 * sum(batches) + slack
     # The rows its devices hold (a batch the 8 devices do not divide is
-    # placed, so mapped, whole), and what the prefetch maps ahead when an
-    # iteration is abandoned (Keras's first look at the data).
+    # placed, so mapped, whole): at most 1776 with the slack, where a
+    # process mapping every row maps at least 2608.
     share = sum(b // 2 if b % 8 == 0 else b for b in batches)
     for result in two_processes["tfdata"]:
-        assert 2 * share <= result["loaded"] <= 2 * share + 3 * 64
+        assert 2 * share <= result["loaded"] <= 2 * share + slack
 
 
 def test_each_process_makes_half_a_pydatasets_batches(two_processes, one_device):
