@@ -57,7 +57,7 @@ class ShardingCallback(keras.callbacks.Callback):
         self._distributed_steps = {}
         self._steps_version = None
         self._remove_handler = None
-        #: `_RunEnd` is last in this run's callback list: the run ends there.
+        #: A `PhaseCallback` last in this run's list ends the run there.
         self._ends_last = False
 
     @property
@@ -100,7 +100,9 @@ class ShardingCallback(keras.callbacks.Callback):
             if any(c is self for c in callback_list.callbacks):
                 self._remove_handler()
                 self._remove_handler = None
-                callback_lists.append_callback(callback_list, _RunEnd(self._run_ended))
+                callback_lists.append_callback(
+                    callback_list, callback_lists.PhaseCallback(on_end=self._run_ended)
+                )
                 self._ends_last = True
 
         self._remove_handler = callback_lists.add_handler(append_run_end)
@@ -142,7 +144,7 @@ class ShardingCallback(keras.callbacks.Callback):
             self.close()
 
     def _end(self, phase):
-        # In a list that ends with `_RunEnd`, the run ends there; called on
+        # In a list that ends with its `PhaseCallback`, the run ends there; called on
         # its own, now.
         if self._phase == phase and not self._ends_last:
             self.close()
@@ -166,25 +168,6 @@ class ShardingCallback(keras.callbacks.Callback):
 
     def on_predict_end(self, logs=None):
         self._end("predict")
-
-
-class _RunEnd(keras.callbacks.Callback):
-    """Calls `end_run(phase)` as a run ends, last of its callback list."""
-
-    async_safe = True
-
-    def __init__(self, end_run):
-        super().__init__()
-        self._end_run = end_run
-
-    def on_train_end(self, logs=None):
-        self._end_run("train")
-
-    def on_test_end(self, logs=None):
-        self._end_run("test")
-
-    def on_predict_end(self, logs=None):
-        self._end_run("predict")
 
 
 def _check_model(model):

@@ -13,7 +13,7 @@ handler is registered.
 
 import weakref
 
-from keras.callbacks import CallbackList
+from keras.callbacks import Callback, CallbackList
 
 from keras_parallel.replacements import Replacements
 
@@ -116,3 +116,42 @@ def append_callback(callback_list, callback):
     callback.set_model(callback_list.model)
     callback.set_params(callback_list.params)
     callback_list.callbacks.append(callback)
+
+
+class PhaseCallback(Callback):
+    """keras_parallel's own callback: `on_begin(phase)` and `on_end(phase)`
+    as a `"train"`, `"test"` or `"predict"` run begins and ends.
+
+    Args:
+        on_begin: a function of the phase, or None.
+        on_end: a function of the phase, or None.
+    """
+
+    async_safe = True  # No batch hook: Keras may dispatch the others async.
+
+    def __init__(self, on_begin=None, on_end=None):
+        super().__init__()
+        self._on_begin = on_begin or _nothing
+        self._on_end = on_end or _nothing
+
+    def on_train_begin(self, logs=None):
+        self._on_begin("train")
+
+    def on_test_begin(self, logs=None):
+        self._on_begin("test")
+
+    def on_predict_begin(self, logs=None):
+        self._on_begin("predict")
+
+    def on_train_end(self, logs=None):
+        self._on_end("train")
+
+    def on_test_end(self, logs=None):
+        self._on_end("test")
+
+    def on_predict_end(self, logs=None):
+        self._on_end("predict")
+
+
+def _nothing(phase):
+    return None

@@ -81,23 +81,14 @@ class StepLogPolicy:
         # rank 0 alone must start no collective, and a distributed model run
         # inside this one's `fit` must not change its choice.
         if callback_list.model is self.steps.model:
-            choice = _StepLogChoice(self.steps, reads_step_logs(callback_list))
+            reads = reads_step_logs(callback_list)
+
+            def choose(phase):
+                if phase != "predict":  # A predict logs no metric.
+                    self.steps.set_global_step_logs(reads)
+
+            choice = callback_lists.PhaseCallback(on_begin=choose)
             callback_list.callbacks.insert(0, choice)
-
-
-class _StepLogChoice(keras_callbacks.Callback):
-    """Sets `steps.set_global_step_logs(reads)` as a fit or evaluate begins."""
-
-    def __init__(self, steps, reads):
-        super().__init__()
-        self._steps = steps
-        self._reads = reads
-
-    def on_train_begin(self, logs=None):
-        self._steps.set_global_step_logs(self._reads)
-
-    def on_test_begin(self, logs=None):
-        self._steps.set_global_step_logs(self._reads)
 
 
 class ReturnedLogs:
