@@ -10,8 +10,9 @@ import contextlib
 
 import keras
 
-from keras_parallel import sharding
+from keras_parallel import layout_rules, sharding
 from keras_parallel.backends import executor_class
+from keras_parallel.errors import ShardingError
 
 
 class _ShardedLayouts:
@@ -125,38 +126,60 @@ class DataParallel(_ShardedLayouts, keras.distribution.DataParallel):
 
 
 class ModelParallel(_ShardedLayouts, keras.distribution.ModelParallel):
-    """`keras.distribution.ModelParallel` whose other variables can be sharded.
+    """`keras.distribution.ModelParallel`, with or without a written `LayoutMap`.
 
-    The `LayoutMap` splits what it names over its axes (say `model`), as in
-    Keras. `shard="full"` also splits every large variable over the batch
-    axis, on a dimension the map leaves free: a variable the map splits over
+    `rules="auto"` derives every variable's layout from its layer (its
+    logical axes, `keras_parallel.logical_axes`, placed on mesh axes by
+    rules, `keras_parallel.layout_rules`): MLP pairs split as Megatron splits
+    them, attention by heads, embeddings by vocabulary. A `LayoutMap` key
+    still wins over a rule. `shard="full"` also splits every large variable
+    over the batch axis, on a dimension left free: a variable split over
     `model` is then split over both axes (2-D sharding, as MaxText's `fsdp`
-    and `tensor` axes or torch's FSDP with tensor parallelism), and one it
-    does not name is split over the batch axis alone. `shard="optimizer"`
-    splits only the optimizer state over the batch axis. JAX and torch.
+    and `tensor` axes or torch's FSDP with tensor parallelism), and one left
+    whole is split over the batch axis alone. `shard="optimizer"` splits only
+    the optimizer state over the batch axis. JAX and torch.
 
     Args:
-        layout_map: a `keras.distribution.LayoutMap`.
+        device_mesh: the `keras.distribution.DeviceMesh`; needed when no
+            `layout_map` is given (a `LayoutMap` carries its mesh).
+        layout_map: a `keras.distribution.LayoutMap`; its keys win over the
+            rules.
+        rules: `"auto"` (the default rules of a mesh of a batch axis and one
+            model axis, `layout_rules.auto_rules`) or a list of `(logical
+            axis, mesh axis or None)` pairs, tried in order for each
+            dimension; `None` (default): the `LayoutMap` alone.
         batch_dim_name: the mesh axis the batch is split along (default:
             the mesh's first axis).
         auto_shard_dataset: shard a `tf.data.Dataset` among processes.
         shard: `None`, `"full"` or `"optimizer"`, as for `DataParallel`.
         shard_min_size: variables of fewer elements stay whole. Default 4096.
 
+    Raises:
+        ShardingError: neither a `layout_map` nor `rules` with a
+            `device_mesh`, or rules that are not pairs of names.
+
     Example:
 
     >>> mesh = keras.distribution.DeviceMesh(
-    ...     (4, 2), ["batch", "model"], keras.distribution.list_devices())
+    ...     (2, 4), ["data", "model"], keras.distribution.list_devices())
+    >>> distribution = keras_parallel.ModelParallel(
+    ...     device_mesh=mesh, rules="auto", batch_dim_name="data")
+    >>> print(keras_parallel.describe(model, distribution))
+
+    With a written map (a key wins over the rules):
+
     >>> layout_map = keras.distribution.LayoutMap(mesh)
     >>> layout_map["dense_1/kernel"] = (None, "model")
     >>> distribution = keras_parallel.ModelParallel(
-    ...     layout_map=layout_map, batch_dim_name="batch", shard="full")
+    ...     layout_map=layout_map, batch_dim_name="data", shard="full")
     """
 
     def __init__(
         self,
         *,
+        device_mesh=None,
         layout_map=None,
+        rules=None,
         batch_dim_name=None,
         auto_shard_dataset=True,
         shard=None,
@@ -164,6 +187,24 @@ class ModelParallel(_ShardedLayouts, keras.distribution.ModelParallel):
         **kwargs,
     ):
         self._init_shard(shard, shard_min_size)
+        self.rules = None if rules is None else layout_rules.check_rules(rules)
+        if layout_map is None:
+            if device_mesh is None or rules is None:
+                raise ShardingError(
+                    "ModelParallel needs a layout_map, or rules with a "
+                    f"device_mesh. Received: layout_map=None, device_mesh="
+                    f"{device_mesh!r}, rules={rules!r}; pass "
+                    'ModelParallel(device_mesh=mesh, rules="auto", '
+                    "batch_dim_name=...) or a keras.distribution.LayoutMap."
+                )
+            layout_map = keras.distribution.LayoutMap(device_mesh)
+        elif device_mesh is not None and device_mesh is not layout_map.device_mesh:
+            raise ShardingError(
+                "ModelParallel got a device_mesh and a layout_map of another "
+                "mesh. Received: device_mesh="
+                f"{device_mesh!r}, layout_map.device_mesh="
+                f"{layout_map.device_mesh!r}; pass one, or the map's own mesh."
+            )
         super().__init__(
             layout_map=layout_map,
             batch_dim_name=batch_dim_name,

@@ -119,6 +119,12 @@ Distribution = internal(
 #: Keras's progress printing (respects `keras.config.disable_interactive_logging`).
 print_msg = internal("keras.src.utils.io_utils", "print_msg").print_msg
 
+#: Runs a function on symbolic tensors, computing no value: one pass over a
+#: model records the order its layers are called in (`logical_axes`).
+compute_output_spec = internal(
+    "keras.src.backend", "compute_output_spec"
+).compute_output_spec
+
 #: Writes a class's `module`, `class_name` and `registered_name` into a
 #: saved config; wrapped while `DistributedModel.save` runs (`persistence/saving.py`).
 serialization_lib = internal(

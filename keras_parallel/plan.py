@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from keras_parallel import layout_keys, sharding
+from keras_parallel import layout_keys, layout_rules, logical_axes, sharding
 from keras_parallel.errors import ShardingError
 
 
@@ -30,6 +30,8 @@ class VariableLayout:
             none did (`"(replicated)"`, `"(follows dense/kernel)"`).
         bytes_total: the size of the whole variable.
         bytes_per_device: the size of the shard one device holds.
+        logical: the logical axes rules placed it by
+            (`keras_parallel.logical_axes`), or `None`.
     """
 
     path: str
@@ -40,6 +42,7 @@ class VariableLayout:
     key: str
     bytes_total: int
     bytes_per_device: int
+    logical: tuple = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +214,9 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
             else:
                 variable_keys.append((key, axes))
 
+    rules = layout_rules.rules_of(distribution, axis_names, batch_axis)
+    logical = logical_axes.of_model(model) if rules is not None else {}
+    used_rules, misfits = set(), {}
     entries = []
     used_keys = set()
     chosen = {}
@@ -220,10 +226,35 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         )
         if key in dict(variable_keys):
             used_keys.add(key)
+        names = None
+        if rules is not None and key == "(replicated)":
+            # No LayoutMap key named it: the rules place it.
+            found = logical.get(variable.path)
+            axes, key, misfit = layout_rules.place(
+                found, tuple(variable.shape), rules, sizes
+            )
+            names = found.names if found is not None else None
+            used_rules.update(
+                (n, a) for n, a in zip(names or (), axes, strict=False) if a
+            )
+            if misfit:
+                misfits[variable.path] = misfit
         if shard == "full":
             axes, key = sharded(variable, axes, key)
         chosen[variable.path] = axes
-        entries.append(_entry(variable, "model", axes, key, sizes))
+        entries.append(_entry(variable, "model", axes, key, sizes, names))
+    if rules is not None:
+        layout_rules.warn_unused(
+            None
+            if getattr(distribution, "rules", None) == layout_rules.AUTO
+            else rules,
+            used_rules,
+            model,
+            axis_names,
+            batch_axis,
+            sizes,
+            misfits,
+        )
     references = {v.path.replace("/", "_"): v for v in model_vars if v.trainable}
     for variable in optimizer_vars:
         reference = layout_keys.reference_of(variable, references)
@@ -322,7 +353,7 @@ def _dtype_name(variable):
     return str(getattr(variable.dtype, "name", variable.dtype))
 
 
-def _entry(variable, kind, axes, key, sizes):
+def _entry(variable, kind, axes, key, sizes, logical=None):
     shape = tuple(int(s) for s in variable.shape)
     dtype = _dtype_name(variable)
     shards = 1
@@ -348,6 +379,7 @@ def _entry(variable, kind, axes, key, sizes):
         key=key,
         bytes_total=total,
         bytes_per_device=total // shards,
+        logical=logical,
     )
 
 

@@ -198,6 +198,13 @@ def format_plan(plan, model_name="model", executor=None):
         )
         for v in plan.variables
     ]
+    if any(v.logical is not None for v in plan.variables):
+        # Placed by rules: each variable's logical axes before its layout.
+        header = header[:4] + ("Logical axes",) + header[4:]
+        rows = [
+            r[:4] + (_axes(v.logical) if v.logical else "",) + r[4:]
+            for r, v in zip(rows, plan.variables, strict=True)
+        ]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         lines.append(

@@ -10,6 +10,8 @@ before any test module imports Keras:
 
 import os
 
+import pytest
+
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if "device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -23,8 +25,6 @@ if os.environ["KERAS_BACKEND"] == "tensorflow":
     tf_devices.setup()
 
     import gc
-
-    import pytest
 
     @pytest.fixture(autouse=True)
     def _collect_tensorflow_garbage():
@@ -44,3 +44,28 @@ if os.environ["KERAS_BACKEND"] == "tensorflow":
         # whole heap, 0.16 s a test on an idle machine (0.4 s busy), over
         # 800 tests of the tensorflow env.
         gc.freeze()
+
+
+@pytest.fixture
+def recorded_steps(monkeypatch):
+    """JAX: the last compiled train step and its arguments, as it is called.
+
+    `compiled.lower(*args).compile().as_text()` is then its optimized HLO
+    (the collectives a step runs).
+    """
+    from keras_parallel.backends.jax import batches
+
+    calls = []
+    original = batches.jit_splitting_batches
+
+    def recording(function, *args, **kwargs):
+        compiled = original(function, *args, **kwargs)
+
+        def call(*step_args):
+            calls[:] = [(compiled, step_args)]  # The last step only.
+            return compiled(*step_args)
+
+        return call
+
+    monkeypatch.setattr(batches, "jit_splitting_batches", recording)
+    return calls

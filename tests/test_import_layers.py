@@ -23,6 +23,8 @@ LAYERS = (
         "replacements",
         "instance_methods",
         "layout_keys",
+        "logical_axes",
+        "layout_rules",
         "sharding",
         "plan",
         "building",

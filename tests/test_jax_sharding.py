@@ -208,27 +208,6 @@ def collectives(model, x, y, monkeypatch_jit):
     return found
 
 
-@pytest.fixture
-def recorded_steps(monkeypatch):
-    """Records each compiled train step and its arguments as it is called."""
-    from keras_parallel.backends.jax import batches
-
-    calls = []
-    original = batches.jit_splitting_batches
-
-    def recording(function, *args, **kwargs):
-        compiled = original(function, *args, **kwargs)
-
-        def call(*step_args):
-            calls[:] = [(compiled, step_args)]  # The last step only.
-            return compiled(*step_args)
-
-        return call
-
-    monkeypatch.setattr(batches, "jit_splitting_batches", recording)
-    return calls
-
-
 WHOLE_GRADIENT = re.compile(r"f32\[(512,256|256,512)\]")
 
 

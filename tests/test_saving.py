@@ -386,6 +386,29 @@ def test_model_parallel_round_trip_keeps_the_layout(tmp_path):
 
 
 @jax_only
+def test_model_parallel_by_rules_round_trip_keeps_the_rules(tmp_path):
+    mesh = keras.distribution.DeviceMesh(
+        (4, 2), ["data", "model"], keras.distribution.list_devices()
+    )
+    rules = [("mlp", "model"), ("embed", None)]
+    distribution = keras_parallel.ModelParallel(
+        device_mesh=mesh, rules=rules, batch_dim_name="data"
+    )
+    model = trained(distribution)
+    path = tmp_path / "net.keras"
+    model.save(path)
+    loaded = load(path, custom_objects={"Net": Net})
+    assert loaded.distribution.rules == tuple(rules)
+    assert list(loaded.distribution._layout_map) == []
+    expected = fit_one_step(model)
+    actual = fit_one_step(loaded)
+    assert max_relative_difference(expected, actual) < 1e-6
+    # d1 (16 -> 32) splits its outputs over `model`, as before saving.
+    kernel = loaded.get_layer("d1").kernel.value
+    assert {s.data.shape for s in kernel.addressable_shards} == {(16, 16)}
+
+
+@jax_only
 def test_model_parallel_mesh_larger_than_the_devices_loads_on_one_device(tmp_path):
     # Saved over 4 of the 8 devices: this process has 8, not 4.
     devices = keras.distribution.list_devices()[:4]

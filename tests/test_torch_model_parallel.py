@@ -42,6 +42,14 @@ CASES["megatron_one_step_1x4"] = dict(
 CASES["transformer_ten_steps_2x2"] = dict(
     kind="transformer", mesh=(2, 2), steps=10, n=640, evaluate=True
 )
+# No LayoutMap: layouts derived from the layers (ModelParallel(rules="auto")),
+# through the ShardingCallback door; Llama's 2 key/value heads divide the
+# model axis of 2 here.
+CASES["transformer_rules_2x2"] = dict(
+    kind="transformer", mesh=(2, 2), steps=1, rules="auto"
+)
+CASES["llama_rules_2x2"] = dict(kind="llama", mesh=(2, 2), steps=1, rules="auto")
+RULES = ("transformer_rules_2x2", "llama_rules_2x2")
 ONE_STEP = {name for name, case in CASES.items() if case["steps"] == 1}
 SAVED = "mlp_epoch_2x2"
 
@@ -243,6 +251,30 @@ def test_a_mesh_written_as_for_jax_trains_as_one_device(four_ranks, single):
         ranks[0]["weights"], four_ranks["mlp_epoch_2x2"][0]["weights"], strict=True
     ):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_derived_layouts_split_every_kernel_and_the_batch(four_ranks, name):
+    for result in four_ranks[name]:
+        placements = result["placements"]
+        kernels = [p for p in placements if p.endswith("kernel")]
+        model = workers.build(CASES[name]["kind"], False)
+        every_kernel = [v.path for v in model.weights if v.path.endswith("kernel")]
+        # Each kernel split over `model` (the output layer's 48 logits too).
+        assert sorted(kernels) == sorted(every_kernel)
+        for path in kernels:
+            placement, local = placements[path]
+            assert placement.count("R") == 1 and "S(" in placement[1], path
+            whole = dict((v.path, tuple(v.shape)) for v in model.weights)[path]
+            assert 2 * int(np.prod(local)) == int(np.prod(whole)), path
+        if CASES[name]["kind"] == "llama":
+            # The rows this rank computed in the step, whose input is a
+            # DTensor (global rows known): half of the batch of 64. The
+            # other records are not steps: Keras's symbolic build, which
+            # runs eagerly where the "meta" device fails (KerasHub's
+            # layers), and the rules' trace of one row.
+            steps = [r for r in result["split"] if r[0] is not None]
+            assert steps == [(64, 32)], result["split"]
 
 
 def test_training_moved_the_weights(four_ranks):

@@ -147,17 +147,25 @@ def data(kind, n):
 
         (x, y), _ = demo.load_digits_28()  # The guide's data: real digits.
         return x[:n], y[:n]
+    if kind == "llama":
+        import hub_models
+
+        return hub_models.batch("llama", n)
     x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")
     return x, x[:, 0].copy()  # Learnable: the first token.
 
 
 # -------------------------------------------------------------------- runs
-def distribution(kind, mesh_shape, model):
+def distribution(kind, mesh_shape, model, rules=None):
     keras = _keras()
     import keras_parallel
 
     devices = keras_parallel.DataParallel().device_mesh.devices.ravel().tolist()
     mesh = keras.distribution.DeviceMesh(mesh_shape, list(AXES), devices)
+    if rules is not None:  # No LayoutMap: layouts derived from the layers.
+        return keras_parallel.ModelParallel(
+            device_mesh=mesh, rules=rules, batch_dim_name="data"
+        )
     layout_map = keras.distribution.LayoutMap(mesh)
     if kind == "mlp":
         mlp_layouts(layout_map)
@@ -180,6 +188,10 @@ def build(kind, distributed, batchnorm=False):
         return megatron(model_class)
     if kind == "convnet":
         return convnet(model_class)
+    if kind == "llama":
+        import hub_models
+
+        return hub_models.model("llama", probe=True)
     return transformer(model_class)
 
 
@@ -193,6 +205,7 @@ def train(
     evaluate=False,
     save_to=None,
     inspect=False,
+    rules=None,
 ):
     """Trains one case; returns weights, logs and (distributed) what it held.
 
@@ -204,17 +217,28 @@ def train(
         evaluate: also evaluate on every sample and predict 203 of them.
         save_to: a folder to `model.save` the trained model to.
         inspect: also return the bytes this process holds and placements.
+        rules: `ModelParallel(rules=...)` instead of the kind's LayoutMap
+            (through the `ShardingCallback` door); also return the rows
+            this process computed and where each split variable lives.
     """
     keras = _keras()
+    import split_probe
+
     import keras_parallel
 
     x, y = data(kind, n)
-    model = build(kind, distributed, batchnorm)
-    mse = kind in ("mlp", "megatron")
+    # The ShardingCallback door (rules) trains a plain keras.Model.
+    model = build(kind, distributed and rules is None, batchnorm)
+    mse = kind in ("mlp", "megatron", "llama")
     loss = "mse" if mse else keras.losses.SparseCategoricalCrossentropy(True)
-    kwargs = {}
-    if distributed:
+    kwargs, callbacks = {}, []
+    if distributed and rules is not None:
+        callbacks = [
+            keras_parallel.ShardingCallback(distribution(kind, mesh, model, rules))
+        ]
+    elif distributed:
         kwargs["distribution"] = distribution(kind, mesh, model)
+    split_probe.clear()
     # The variables are placed (their gradient hooks registered) by
     # `compile`, or by `fit` where a plan places them again.
     with _arriving_gradients(inspect and distributed) as arriving:
@@ -231,6 +255,7 @@ def train(
             steps_per_epoch=steps,
             shuffle=False,
             verbose=0,
+            callbacks=callbacks,
         )
     result = {
         "weights": [np.asarray(w) for w in model.get_weights()],
@@ -246,6 +271,9 @@ def train(
         model.save(os.path.join(save_to, f"{kind}.keras"))
     if inspect and distributed:
         result["arriving_gradients"] = arriving
+    if distributed and rules is not None:
+        result["split"] = split_probe.records()
+        result["placements"] = _placements(model.variables)
     if inspect and distributed and kind == "mlp":
         result.update(_held(model))
         result["describe"] = keras_parallel.describe(model)
@@ -281,12 +309,26 @@ def _arriving_gradients(record):
 def _held(model):
     """The bytes this process holds, where the split variables live, and the
     placements of d2's output (constrained by `d2/output`)."""
-    import re
-
     from keras_parallel.backends.torch import dtensor_layouts
 
     variables = list(model.variables) + list(model.optimizer.variables)
     plan = model._kp_binding.plan
+    return {
+        "d2_output": _d2_output_placements(model),
+        "plan_outputs": [(o.key, o.path, tuple(o.axes)) for o in plan.outputs],
+        "held_bytes": sum(dtensor_layouts.local_bytes(v) for v in variables),
+        "plan_bytes": plan.bytes_per_device(),
+        "total_bytes": plan.bytes_total(),
+        "placements": _placements(variables),
+    }
+
+
+def _placements(variables):
+    """`{path: (placements, local shape)}` of each DTensor variable."""
+    import re
+
+    from keras_parallel.backends.torch import dtensor_layouts
+
     placements = {}
     for variable in variables:
         value = variable._value
@@ -296,14 +338,7 @@ def _held(model):
                 [str(p) for p in value.placements],
                 tuple(value.to_local().shape),
             )
-    return {
-        "d2_output": _d2_output_placements(model),
-        "plan_outputs": [(o.key, o.path, tuple(o.axes)) for o in plan.outputs],
-        "held_bytes": sum(dtensor_layouts.local_bytes(v) for v in variables),
-        "plan_bytes": plan.bytes_per_device(),
-        "total_bytes": plan.bytes_total(),
-        "placements": placements,
-    }
+    return placements
 
 
 def _d2_output_placements(model):

@@ -146,7 +146,7 @@ def describe_distribution(distribution):
         A dict: `kind` (`"DataParallel"`, `"ModelParallel"` or the class
         name), the mesh's `mesh_shape` and `axis_names`, `batch_dim_name`,
         `auto_shard_dataset`, and for ModelParallel the `layout_map` (each key
-        to its axes); keras_parallel's `DataParallel` options and `shard=`
+        to its axes) and the `rules`; keras_parallel's `DataParallel` options and `shard=`
         (with `shard_min_size`) too.
     """
     import keras
@@ -166,6 +166,11 @@ def describe_distribution(distribution):
         description["layout_map"] = {
             key: list(layout_map[key].axes) for key in layout_map
         }
+        rules = getattr(distribution, "rules", None)
+        if rules is not None:
+            description["rules"] = (
+                rules if isinstance(rules, str) else [list(rule) for rule in rules]
+            )
     elif isinstance(distribution, keras.distribution.DataParallel):
         description["kind"] = "DataParallel"
         for option in ("sync_batchnorm", "find_unused_parameters"):
@@ -254,8 +259,12 @@ def distribution_from_description(description):
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in description.get("layout_map", {}).items():
         layout_map[key] = tuple(axes)
+    rules = description.get("rules")
     return ModelParallel(
         layout_map=layout_map,
+        rules=rules
+        if rules is None or isinstance(rules, str)
+        else [tuple(r) for r in rules],
         batch_dim_name=description.get("batch_dim_name"),
         auto_shard_dataset=description.get("auto_shard_dataset", True),
         **sharding,

@@ -1,0 +1,197 @@
+"""Rules that place logical axes on mesh axes: an ordered list, first fit wins.
+
+A rule `("mlp", "model")` splits every dimension whose logical axis is
+`"mlp"` (`keras_parallel.logical_axes`) over the mesh axis `"model"`. For
+each dimension the rules naming its logical axis are tried in order; one
+fits when its mesh axis divides the dimension and no other dimension of the
+variable already uses it. A dimension no rule fits stays whole, and the plan
+says why (`describe`). MaxText's logical axis rules have this shape.
+"""
+
+import warnings
+
+from keras_parallel import logical_axes
+from keras_parallel.errors import ShardingError
+
+AUTO = "auto"
+
+
+def auto_rules(axis_names, batch_axis):
+    """The default rules of a mesh: one model axis besides the batch axis.
+
+    The vocabulary, the MLP's hidden features and the attention heads are
+    split over the model axis; key/value heads too where the axis divides
+    them, else they stay whole (grouped-query attention with fewer key/value
+    heads than devices: each device then computes every key/value head, and
+    the step needs no more communication than with them split; splitting
+    their head dimension instead would all-reduce every attention score).
+    `embed` stays whole: `shard="full"` splits it over the batch axis.
+
+    Args:
+        axis_names: the mesh's axis names.
+        batch_axis: the axis the batch is split along.
+
+    Returns:
+        The rules, a tuple of `(logical axis, mesh axis)` pairs.
+
+    Raises:
+        ShardingError: the mesh has no axis, or several, besides the batch.
+    """
+    others = [name for name in axis_names if name != batch_axis]
+    if len(others) != 1:
+        raise ShardingError(
+            '`rules="auto"` needs a mesh of two axes, the batch axis and one '
+            f"model axis. Received: axis_names={list(axis_names)}, "
+            f"batch_dim_name={batch_axis!r}; give a mesh such as "
+            "DeviceMesh((2, 4), ['data', 'model']), or pass your own rules, "
+            "e.g. rules=[('mlp', 'model'), ('heads', 'model')]."
+        )
+    model_axis = others[0]
+    return (
+        (logical_axes.VOCAB, model_axis),
+        (logical_axes.MLP, model_axis),
+        (logical_axes.HEADS, model_axis),
+        (logical_axes.KV_HEADS, model_axis),
+    )
+
+
+def check_rules(rules):
+    """Refuses rules that are not `(logical axis, mesh axis or None)` pairs.
+
+    Args:
+        rules: `"auto"`, or a list of pairs.
+
+    Returns:
+        `"auto"`, or the rules as a tuple of pairs.
+
+    Raises:
+        ShardingError: naming the rule and the fix.
+    """
+    if isinstance(rules, str):
+        if rules != AUTO:
+            raise ShardingError(
+                f'`rules` must be "auto" or a list of (logical axis, mesh axis) '
+                f'pairs. Received: rules={rules!r}; pass rules="auto".'
+            )
+        return AUTO
+    checked = []
+    for rule in rules:
+        if (
+            not isinstance(rule, (tuple, list))
+            or len(rule) != 2
+            or not isinstance(rule[0], str)
+            or not (rule[1] is None or isinstance(rule[1], str))
+        ):
+            raise ShardingError(
+                "Each rule must be a (logical axis, mesh axis) pair of names, "
+                f"the mesh axis a string or None. Received: {rule!r}; write it "
+                "as e.g. ('mlp', 'model')."
+            )
+        checked.append(tuple(rule))
+    return tuple(checked)
+
+
+def rules_of(distribution, axis_names, batch_axis):
+    """A distribution's rules, resolved for its mesh, or `None` if it has none.
+
+    Raises:
+        ShardingError: a rule names a mesh axis the mesh lacks.
+    """
+    rules = getattr(distribution, "rules", None)
+    if rules is None:
+        return None
+    if rules == AUTO:
+        return auto_rules(axis_names, batch_axis)
+    for logical, mesh_axis in rules:
+        if mesh_axis is not None and mesh_axis not in axis_names:
+            raise ShardingError(
+                f"Rule ({logical!r}, {mesh_axis!r}) names a mesh axis the "
+                f"device mesh lacks. Received: mesh axis_names="
+                f"{list(axis_names)}; use one of these names, or None to keep "
+                f"{logical!r} whole."
+            )
+    return rules
+
+
+def place(logical, shape, rules, sizes):
+    """The mesh axes of one variable, and a note saying which rules chose them.
+
+    Args:
+        logical: the variable's `LogicalAxes`, or `None` (unknown layer).
+        shape: the variable's shape.
+        rules: the resolved rules.
+        sizes: `{mesh axis: size}`.
+
+    Returns:
+        `(axes, note, misfits)`: one mesh axis (or `None`) per dimension,
+        the note for the plan's key column, and the `(logical axis, mesh
+        axis, dimension)` of each rule that named a dimension but did not
+        divide it.
+    """
+    if logical is None:
+        return (None,) * len(shape), "(no logical axes)", []
+    axes, used, chosen, misfits = [], set(), [], []
+    for name, size in zip(logical.names, shape, strict=True):
+        axis = None
+        for rule_name, mesh_axis in rules:
+            if rule_name != name:
+                continue
+            if mesh_axis is None:
+                break  # Kept whole on purpose.
+            if mesh_axis in used:
+                continue
+            if size % int(sizes[mesh_axis]):
+                misfits.append((name, mesh_axis, size))
+                continue
+            axis = mesh_axis
+            used.add(mesh_axis)
+            chosen.append(f"{name}->{mesh_axis}")
+            break
+        axes.append(axis)
+    note = ", ".join(chosen) if chosen else "whole"
+    for name, mesh_axis, size in misfits:
+        note += f"; {mesh_axis} does not divide {name} {size}"
+    return tuple(axes), f"(rules: {note})", misfits
+
+
+def warn_unused(rules, used_rules, model, axis_names, batch_axis, sizes, misfits):
+    """Warns of rules that place nothing, and of a model axis that splits nothing.
+
+    Args:
+        rules: the user's rules (`None` for `"auto"`'s, which name axes a
+            model may lack, such as `vocab` in an MLP).
+        used_rules: the `(logical axis, mesh axis)` rules that split a variable.
+        model: the model planned (named in the message).
+        axis_names: the mesh's axis names.
+        batch_axis: the batch axis.
+        sizes: `{mesh axis: size}`.
+        misfits: `{variable path: [(logical axis, mesh axis, dimension)]}`.
+    """
+    for rule in rules or ():
+        if rule in used_rules or rule[1] is None:
+            continue
+        named = [p for p, m in misfits.items() if any(f[:2] == rule for f in m)]
+        why = (
+            f"it names {len(named)} variable(s) whose dimension "
+            f"{rule[1]!r} (size {sizes[rule[1]]}) does not divide, e.g. "
+            f"{named[0]!r}"
+            if named
+            else f"no variable of model {model.name!r} has logical axis {rule[0]!r}"
+        )
+        warnings.warn(
+            f"Rule {rule!r} splits nothing: {why}. Print "
+            "keras_parallel.describe(model, distribution) for each variable's "
+            "logical axes; change or drop the rule.",
+            stacklevel=4,
+        )
+    split_axes = {mesh_axis for _, mesh_axis in used_rules}
+    for name in axis_names:
+        if name != batch_axis and int(sizes[name]) > 1 and name not in split_axes:
+            warnings.warn(
+                f"Mesh axis {name!r} (size {sizes[name]}) splits no variable of "
+                f"model {model.name!r}: its devices each hold every variable "
+                "whole and compute the same. Give the axis a size that divides "
+                "the model's dimensions (keras_parallel.describe shows them), "
+                "or use keras_parallel.DataParallel().",
+                stacklevel=4,
+            )

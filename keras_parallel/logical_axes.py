@@ -1,0 +1,313 @@
+"""Each variable's logical axes: what its dimensions mean, from its layer.
+
+A logical axis names a dimension's role (`"embed"`, `"mlp"`, `"heads"`,
+`"vocab"`), not where it lives; `layout_rules` maps them to mesh axes, as
+MaxText's logical axis rules do. Dense-like layers are paired as Megatron
+pairs them: the first of a pair (split by output features, `("embed",
+"mlp")`) feeds the second (split by input features, `("mlp", "embed")`), so
+a block needs one all-reduce, not two. The pairs are read from the order in
+which one symbolic forward pass calls the layers (no value is computed), and
+layers called on the same input (a gate and an up projection) are siblings.
+"""
+
+import dataclasses
+import re
+import warnings
+
+import keras
+
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+KV_HEAD_DIM = "kv_head_dim"
+VOCAB = "vocab"
+NORM = "norm"
+POSITION = "position"
+SPATIAL = "spatial"
+
+#: Every logical axis name a derived layout uses.
+NAMES = (
+    EMBED,
+    MLP,
+    HEADS,
+    KV_HEADS,
+    HEAD_DIM,
+    KV_HEAD_DIM,
+    VOCAB,
+    NORM,
+    POSITION,
+    SPATIAL,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalAxes:
+    """One variable's logical axes.
+
+    Attributes:
+        names: one logical axis name (or `None`) per dimension.
+        role: what the variable is for, e.g. `"column of a pair"`,
+            `"query"`, `"embedding"`.
+    """
+
+    names: tuple
+    role: str
+
+
+def of_model(model):
+    """The logical axes of every model variable whose layer is known.
+
+    Args:
+        model: a built `keras.Model`.
+
+    Returns:
+        `{variable path: LogicalAxes}`; a variable of a layer this module
+        does not know is absent (and stays whole).
+
+    Example:
+
+    >>> of_model(model)["dense/kernel"]
+    LogicalAxes(names=('embed', 'mlp'), role='column of a pair')
+    """
+    owned = _variables_by_layer(model)
+    axes = {}
+    pairable = []
+    for layer, variables in owned:
+        if _is_pairable(layer):
+            pairable.append(layer)
+            continue
+        for name, variable in variables.items():
+            names_role = _static_axes(layer, name, tuple(variable.shape))
+            if names_role is not None:
+                axes[variable.path] = LogicalAxes(*names_role)
+    roles = _pair(model, pairable)
+    for layer, variables in owned:
+        if layer in roles:
+            for name, variable in variables.items():
+                names = _paired_axes(layer, name, len(variable.shape), roles[layer])
+                if names is not None:
+                    axes[variable.path] = LogicalAxes(
+                        names, f"{roles[layer]} of a pair"
+                    )
+    return axes
+
+
+def _variables_by_layer(model):
+    """`[(layer, {variable name: variable})]`, each variable with its own layer."""
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    owner = {}
+    # Deepest first: a variable belongs to the innermost layer holding it.
+    for layer in reversed(layers):
+        for variable in layer.weights:
+            owner.setdefault(id(variable), (layer, variable))
+    by_layer = {}
+    for layer, variable in owner.values():
+        by_layer.setdefault(id(layer), (layer, {}))[1][variable.name] = variable
+    return [by_layer[id(layer)] for layer in layers if id(layer) in by_layer]
+
+
+def _is_pairable(layer):
+    if isinstance(layer, keras.layers.Dense):
+        return True
+    if isinstance(layer, keras.layers.EinsumDense):
+        return _einsum_roles(layer) == ("in", "out")
+    return isinstance(
+        layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+    )
+
+
+def _features(layer):
+    """`(input features, output features)` of a pairable layer's kernel."""
+    shape = tuple(layer.kernel.shape)
+    return shape[-2], shape[-1]
+
+
+def _paired_axes(layer, name, rank, role):
+    first, second = (EMBED, MLP) if role == "column" else (MLP, EMBED)
+    if name == "kernel":
+        return (SPATIAL,) * (rank - 2) + (first, second)
+    if name == "bias" and rank == 1:
+        return (second,)
+    return None
+
+
+def _einsum_parts(layer):
+    match = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w+)\s*", layer.equation)
+    if match is None:
+        return None
+    return match.groups()
+
+
+def _einsum_roles(layer):
+    """Per kernel dimension: `"in"` (contracted) or `"out"`, or `None`."""
+    parts = _einsum_parts(layer)
+    if parts is None:
+        return None
+    inputs, kernel, output = parts
+    return tuple(
+        "in"
+        if c in inputs and c not in output
+        else "out"
+        if c in output and c not in inputs
+        else None
+        for c in kernel
+    )
+
+
+def _einsum_axes(layer, name, shape):
+    """An attention projection's axes, from its equation."""
+    roles = _einsum_roles(layer)
+    if roles is None:
+        return None
+    is_kv = re.search(r"key|value", layer.name) is not None
+    heads, head_dim = (KV_HEADS, KV_HEAD_DIM) if is_kv else (HEADS, HEAD_DIM)
+    inputs, kernel, output = _einsum_parts(layer)
+
+    def letters(role, order):
+        found = [c for c, r in zip(kernel, roles, strict=True) if r == role]
+        return sorted(found, key=order.index)
+
+    contracted, produced = letters("in", inputs), letters("out", output)
+    if len(contracted) == 1 and len(produced) == 2:
+        # Into heads: the output's first split letter is the heads.
+        head_letters, embed_letters = produced, contracted
+        role = "key/value" if is_kv else "query"
+    elif len(contracted) == 2 and len(produced) == 1:
+        head_letters, embed_letters = contracted, produced
+        heads, head_dim, role = HEADS, HEAD_DIM, "attention output"
+    else:
+        return None
+    kernel_names = dict(zip(head_letters, (heads, head_dim), strict=True))
+    kernel_names.update(dict.fromkeys(embed_letters, EMBED))
+    if name == "kernel":
+        return tuple(kernel_names.get(c) for c in kernel), role
+    bias_axes = getattr(layer, "bias_axes", None)
+    if name == "bias" and bias_axes and len(bias_axes) == len(shape):
+        return tuple(kernel_names.get(c) for c in bias_axes), role
+    return None
+
+
+def _static_axes(layer, name, shape):
+    """`(names, role)` for a variable of a layer that is not paired."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        return _einsum_axes(layer, name, shape)
+    if isinstance(layer, keras.layers.Embedding) and len(shape) == 2:
+        if name == "embeddings":
+            return (VOCAB, EMBED), "embedding"
+        if name == "reverse_embeddings":
+            return (EMBED, VOCAB), "output embedding"
+    kind = type(layer).__name__
+    if "PositionEmbedding" in kind and name == "embeddings" and len(shape) == 2:
+        return (POSITION, EMBED), "position embedding"
+    if "Norm" in kind and len(shape) == 1:
+        return (NORM,), "normalization"
+    return None
+
+
+def _pair(model, layers):
+    """`{layer: "column" or "row"}` for the dense-like layers, Megatron's pairs."""
+    if not layers:
+        return {}
+    calls = _call_order(model, layers)
+    if calls is None:
+        # No symbolic pass: the layers in the order the model holds them,
+        # inputs unknown.
+        calls = [(layer, None) for layer in layers]
+    roles = {}
+    columns = []  # The open pair's first layers: (input, output features).
+    for layer, inputs in calls:
+        if layer in roles:
+            continue
+        features_in, features_out = _features(layer)
+        is_sibling = inputs is not None and any(i is inputs for i, _ in columns)
+        feeds_on_columns = any(out == features_in for _, out in columns)
+        if columns and not is_sibling and feeds_on_columns:
+            roles[layer] = "row"
+            columns = []
+            continue
+        if columns and not is_sibling:
+            columns = []
+        roles[layer] = "column"
+        columns.append((inputs, features_out))
+    for layer in layers:
+        roles.setdefault(layer, "column")
+    return roles
+
+
+def _symbolic_inputs(model):
+    """A functional model's inputs, or a subclassed one's from its build shape."""
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        pass
+    shape = (model.get_build_config() or {}).get("input_shape")
+    if not isinstance(shape, (list, tuple)) or not all(
+        d is None or isinstance(d, int) for d in shape
+    ):
+        return None  # Never built by `build(shape)`, or several inputs.
+    return keras.KerasTensor(tuple(shape), dtype=model.input_dtype)
+
+
+def _with_known_sizes(inputs):
+    return keras.tree.map_structure(
+        lambda t: keras.KerasTensor(
+            tuple(1 if d is None else d for d in t.shape), dtype=t.dtype
+        ),
+        inputs,
+    )
+
+
+def _call_order(model, layers):
+    """`[(layer, its input)]` in the order a symbolic pass calls them.
+
+    Returns `None` when the model has no symbolic inputs or cannot be traced.
+    """
+    from keras_parallel.keras_compat import compute_output_spec
+
+    inputs = _symbolic_inputs(model)
+    if inputs is None:
+        return None
+    calls = []
+    wrapped = []
+
+    def recorder(layer, call):
+        def call_recorded(inputs, *args, **kwargs):
+            # The input itself, not its id: a freed tensor's id is reused.
+            calls.append((layer, inputs))
+            return call(inputs, *args, **kwargs)
+
+        return call_recorded
+
+    try:
+        for layer in layers:
+            had_own = "call" in vars(layer)
+            wrapped.append((layer, had_own, vars(layer).get("call")))
+            object.__setattr__(layer, "call", recorder(layer, layer.call))
+        # Unknown sizes as 1 first: torch traces a size it does not know
+        # twice, eagerly on its device where the "meta" device fails, at 83
+        # and 89 (a whole forward pass of a batch of 83), and JAX cannot
+        # compare a symbolic sequence length with a position table's size
+        # (GPT-2). Then as they are (a convolution that size 1 is too
+        # small for).
+        for sized in (_with_known_sizes(inputs), inputs):
+            calls.clear()
+            try:
+                # The model's own warnings about a trace of size-1 inputs
+                # (a softmax over one position) are not the user's.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    compute_output_spec(model.call, sized)
+                break
+            except Exception:  # Not traceable so: try the next, or give up.
+                continue
+        else:
+            return None
+    finally:
+        for layer, had_own, own in wrapped:
+            if had_own:
+                object.__setattr__(layer, "call", own)
+            else:
+                object.__delattr__(layer, "call")
+    return calls
