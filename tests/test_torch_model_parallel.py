@@ -48,8 +48,11 @@ CASES["transformer_ten_steps_2x2"] = dict(
 CASES["transformer_rules_2x2"] = dict(
     kind="transformer", mesh=(2, 2), steps=1, rules="auto"
 )
-CASES["llama_rules_2x2"] = dict(kind="llama", mesh=(2, 2), steps=1, rules="auto")
-RULES = ("transformer_rules_2x2", "llama_rules_2x2")
+for _family in workers.HUB_FAMILIES:
+    CASES[f"{_family}_rules_2x2"] = dict(
+        kind=_family, mesh=(2, 2), steps=1, rules="auto"
+    )
+RULES = ("transformer_rules_2x2", *(f"{f}_rules_2x2" for f in workers.HUB_FAMILIES))
 ONE_STEP = {name for name, case in CASES.items() if case["steps"] == 1}
 SAVED = "mlp_epoch_2x2"
 
@@ -267,7 +270,7 @@ def test_derived_layouts_split_every_kernel_and_the_batch(four_ranks, name):
             assert placement.count("R") == 1 and "S(" in placement[1], path
             whole = dict((v.path, tuple(v.shape)) for v in model.weights)[path]
             assert 2 * int(np.prod(local)) == int(np.prod(whole)), path
-        if CASES[name]["kind"] == "llama":
+        if CASES[name]["kind"] in workers.HUB_FAMILIES:
             # The rows this rank computed in the step, whose input is a
             # DTensor (global rows known): half of the batch of 64. The
             # other records are not steps: Keras's symbolic build, which

@@ -16,6 +16,8 @@ import numpy as np
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 AXES = ("data", "model")
+#: KerasHub backbones (`hub_models`), trained with `rules="auto"`.
+HUB_FAMILIES = ("llama", "gemma", "mistral", "qwen", "gpt2", "bert")
 
 
 def _keras():
@@ -147,10 +149,10 @@ def data(kind, n):
 
         (x, y), _ = demo.load_digits_28()  # The guide's data: real digits.
         return x[:n], y[:n]
-    if kind == "llama":
+    if kind in HUB_FAMILIES:
         import hub_models
 
-        return hub_models.batch("llama", n)
+        return hub_models.batch(kind, n)
     x = rng.integers(0, VOCAB, size=(n, SEQ)).astype("int32")
     return x, x[:, 0].copy()  # Learnable: the first token.
 
@@ -188,10 +190,10 @@ def build(kind, distributed, batchnorm=False):
         return megatron(model_class)
     if kind == "convnet":
         return convnet(model_class)
-    if kind == "llama":
+    if kind in HUB_FAMILIES:
         import hub_models
 
-        return hub_models.model("llama", probe=True)
+        return hub_models.model(kind, probe=True)
     return transformer(model_class)
 
 
@@ -229,7 +231,7 @@ def train(
     x, y = data(kind, n)
     # The ShardingCallback door (rules) trains a plain keras.Model.
     model = build(kind, distributed and rules is None, batchnorm)
-    mse = kind in ("mlp", "megatron", "llama")
+    mse = kind in ("mlp", "megatron", *HUB_FAMILIES)
     loss = "mse" if mse else keras.losses.SparseCategoricalCrossentropy(True)
     kwargs, callbacks = {}, []
     if distributed and rules is not None:
