@@ -10,7 +10,7 @@ import contextlib
 
 import keras
 
-from keras_parallel import layout_rules, sharding
+from keras_parallel import keras_compat, layout_rules, logical_axes, sharding
 from keras_parallel.backends import executor_class
 from keras_parallel.errors import ShardingError
 
@@ -41,8 +41,12 @@ class _ShardedLayouts:
         with super().scope(), executor_class().creation_scope(self):
             yield
 
+    def _layout_of_new(self, variable, layout):
+        """The layout rules give a variable being made; `layout` without rules."""
+        return layout
+
     def get_variable_layout(self, variable):
-        layout = super().get_variable_layout(variable)
+        layout = self._layout_of_new(variable, super().get_variable_layout(variable))
         if (
             self.shard != "full"
             or getattr(variable, "_layout", None) is not None
@@ -211,3 +215,26 @@ class ModelParallel(_ShardedLayouts, keras.distribution.ModelParallel):
             auto_shard_dataset=auto_shard_dataset,
             **kwargs,
         )
+        #: The pairs of the dense-like layers made in this scope, in order.
+        self._new_pairs = logical_axes.Pairs()
+
+    def _layout_of_new(self, variable, layout):
+        # A variable made inside `scope()` by a layer, no LayoutMap key
+        # naming it: the rules place it as it is made, from its layer alone
+        # (the plan, which sees the whole model, moves it if it differs).
+        if (
+            self.rules is None
+            or getattr(variable, "_layout", None) is not None
+            or self._layout_map[variable.path] is not None
+        ):
+            return layout
+        layer = keras_compat.layer_making_variable()
+        if layer is None:
+            return layout
+        logical = logical_axes.of_new_variable(layer, variable, self._new_pairs)
+        mesh = self.device_mesh
+        names = tuple(mesh.axis_names)
+        rules = layout_rules.rules_of(self, names, self.batch_dim_name)
+        sizes = dict(zip(names, (int(n) for n in mesh.shape), strict=True))
+        axes, _, _ = layout_rules.place(logical, tuple(variable.shape), rules, sizes)
+        return keras.distribution.TensorLayout(axes, mesh)

@@ -125,6 +125,26 @@ compute_output_spec = internal(
     "keras.src.backend", "compute_output_spec"
 ).compute_output_spec
 
+#: Keras's global state: its name scope stack, whose innermost scope's
+#: `caller` is the layer making a variable (`Layer.add_weight` makes each
+#: in its layer's scope; `ModelParallel(rules=...)` places a variable made
+#: in its `scope()` by that layer, `distribution.py`).
+global_state = internal("keras.src.backend.common.global_state", "get_global_attribute")
+
+
+def layer_making_variable():
+    """The layer whose `add_weight` runs now, or `None`."""
+    stack = global_state.get_global_attribute("name_scope_stack", default=None)
+    caller = getattr(stack[-1], "caller", None) if stack else None
+    return caller if isinstance(caller, _keras_layer()) else None
+
+
+def _keras_layer():
+    import keras
+
+    return keras.layers.Layer
+
+
 #: Writes a class's `module`, `class_name` and `registered_name` into a
 #: saved config; wrapped while `DistributedModel.save` runs (`persistence/saving.py`).
 serialization_lib = internal(

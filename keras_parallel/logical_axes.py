@@ -206,6 +206,46 @@ def _static_axes(layer, name, shape):
     return None
 
 
+class Pairs:
+    """Megatron's pairs, decided one dense-like layer at a time, in call order.
+
+    A layer is the second of a pair (`"row"`) when it takes the output
+    features of the pair's open first layers and is not called on their
+    input; else it opens or joins a pair's first layers (`"column"`).
+    """
+
+    def __init__(self):
+        self.roles = {}
+        self._columns = []  # The open pair's first layers: (input, features).
+
+    def role(self, layer, features_in, features_out, inputs=None):
+        """The layer's role, decided at its first call.
+
+        Args:
+            layer: the layer.
+            features_in: its input features (the kernel's second last size).
+            features_out: its output features (the kernel's last size).
+            inputs: the tensor it was called on, or `None` when unknown.
+
+        Returns:
+            `"column"` or `"row"`.
+        """
+        if id(layer) in self.roles:
+            return self.roles[id(layer)]
+        is_sibling = inputs is not None and any(i is inputs for i, _ in self._columns)
+        feeds_on_columns = any(out == features_in for _, out in self._columns)
+        if self._columns and not is_sibling and feeds_on_columns:
+            self._columns = []
+            role = "row"
+        else:
+            if not is_sibling:
+                self._columns = []
+            self._columns.append((inputs, features_out))
+            role = "column"
+        self.roles[id(layer)] = role
+        return role
+
+
 def _pair(model, layers):
     """`{layer: "column" or "row"}` for the dense-like layers, Megatron's pairs."""
     if not layers:
@@ -215,25 +255,43 @@ def _pair(model, layers):
         # No symbolic pass: the layers in the order the model holds them,
         # inputs unknown.
         calls = [(layer, None) for layer in layers]
-    roles = {}
-    columns = []  # The open pair's first layers: (input, output features).
+    pairs = Pairs()
     for layer, inputs in calls:
-        if layer in roles:
-            continue
-        features_in, features_out = _features(layer)
-        is_sibling = inputs is not None and any(i is inputs for i, _ in columns)
-        feeds_on_columns = any(out == features_in for _, out in columns)
-        if columns and not is_sibling and feeds_on_columns:
-            roles[layer] = "row"
-            columns = []
-            continue
-        if columns and not is_sibling:
-            columns = []
-        roles[layer] = "column"
-        columns.append((inputs, features_out))
-    for layer in layers:
-        roles.setdefault(layer, "column")
-    return roles
+        pairs.role(layer, *_features(layer), inputs=inputs)
+    return {layer: pairs.roles.get(id(layer), "column") for layer in layers}
+
+
+def of_new_variable(layer, variable, pairs):
+    """The logical axes of a variable `layer` is making, or `None`.
+
+    For a model built inside a distribution's scope, before the model around
+    the layer exists: layers are built in the order they are first called,
+    but what they are called on is not known yet, so a layer called on the
+    same input as one of the same sizes is taken for the second of a pair
+    (the plan corrects it once the model is built).
+
+    Args:
+        layer: the layer making the variable.
+        variable: the variable (its `name` and `shape`).
+        pairs: the `Pairs` of the layers made before, in this scope.
+
+    Returns:
+        A `LogicalAxes`, or `None`.
+    """
+    shape = tuple(variable.shape)
+    if _is_pairable(layer):
+        if variable.name == "kernel" and len(shape) >= 2:
+            role = pairs.role(layer, shape[-2], shape[-1])
+        else:
+            role = pairs.roles.get(id(layer))
+        names = (
+            None
+            if role is None
+            else _paired_axes(layer, variable.name, len(shape), role)
+        )
+        return None if names is None else LogicalAxes(names, f"{role} of a pair")
+    found = _static_axes(layer, variable.name, shape)
+    return None if found is None else LogicalAxes(*found)
 
 
 def _symbolic_inputs(model):

@@ -39,11 +39,13 @@ def backbone(name):
     raise ValueError(f"Unknown family {name!r}; use one of {NAMES}.")
 
 
-def model(name, seed=1, probe=False):
+def model(name, seed=1, probe=False, model_class=None):
     """The backbone as a functional model of one output, from a fixed seed.
 
     With `probe`, the output passes a `split_probe` layer, which records the
-    rows one device computed in each step.
+    rows one device computed in each step. `model_class` (default
+    `keras.Model`) is the functional model's class, e.g. a
+    `DistributedModel`.
     """
     import keras
     import split_probe
@@ -55,7 +57,7 @@ def model(name, seed=1, probe=False):
         output = output["sequence_output"]
     if probe:
         output = split_probe.probe()(output)
-    return keras.Model(hub.input, output, name=name)
+    return (model_class or keras.Model)(hub.input, output, name=name)
 
 
 def batch(name, n=8):

@@ -230,15 +230,34 @@ def test_a_layout_map_key_wins_over_the_rules():
     )
 
 
-def test_a_model_built_inside_the_scope_trains_as_one_device():
-    data = data_of("mlp")
-    expected = one_device(plain_mlp, data)
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+def test_a_model_built_inside_the_scope_is_made_split_and_trains_as_one_device(kind):
+    if kind == "llama":
+        data = hub_models.batch("llama", BATCH)
+        build = lambda model_class=None: hub_models.model("llama")  # noqa: E731
+    else:
+        data, build = data_of("mlp"), plain_mlp
+    expected = one_device(build, data)
     distribution = auto()
     with distribution.scope():
-        model = plain_mlp(Net)
-    got = train(model, data, distribution, door="compile")
+        model = build(Net) if kind == "mlp" else build()
+    made = shards(model)  # As made, before any plan.
+    if kind == "mlp":
+        assert made["up/kernel"] == ((16, 16), (16, 64))
+        assert made["down/kernel"] == ((16, 32), (64, 32))
+    else:
+        block = "transformer_layer_0"
+        query = made[f"{block}/self_attention/query/kernel"]
+        assert query == ((64, 2, 8), (64, 8, 8))
+        gate = made[f"{block}/feedforward_gate_dense/kernel"]
+        assert gate == ((64, 64), (64, 256))
+        down = made[f"{block}/feedforward_output_dense/kernel"]
+        assert down == ((64, 64), (256, 64))
+        assert made["token_embedding/embeddings"] == ((64, 64), (256, 64))
+    door = "compile" if kind == "mlp" else "callback"
+    got = train(model, data, distribution, door=door)
     assert max_relative_difference(expected, got, noise_floor=1e-3) < 1e-5
-    assert shards(model)["up/kernel"] == ((16, 16), (16, 64))
+    assert shards(model) == made  # The plan agreed with the layouts made.
 
 
 def test_a_model_axis_that_divides_nothing_warns():

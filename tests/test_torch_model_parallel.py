@@ -52,7 +52,14 @@ for _family in workers.HUB_FAMILIES:
     CASES[f"{_family}_rules_2x2"] = dict(
         kind=_family, mesh=(2, 2), steps=1, rules="auto"
     )
-RULES = ("transformer_rules_2x2", *(f"{f}_rules_2x2" for f in workers.HUB_FAMILIES))
+CASES["llama_scope_rules_2x2"] = dict(
+    kind="llama", mesh=(2, 2), steps=1, rules="auto", in_scope=True
+)
+RULES = (
+    "llama_scope_rules_2x2",
+    "transformer_rules_2x2",
+    *(f"{f}_rules_2x2" for f in workers.HUB_FAMILIES),
+)
 ONE_STEP = {name for name, case in CASES.items() if case["steps"] == 1}
 SAVED = "mlp_epoch_2x2"
 
@@ -271,13 +278,16 @@ def test_derived_layouts_split_every_kernel_and_the_batch(four_ranks, name):
             whole = dict((v.path, tuple(v.shape)) for v in model.weights)[path]
             assert 2 * int(np.prod(local)) == int(np.prod(whole)), path
         if CASES[name]["kind"] in workers.HUB_FAMILIES:
-            # The rows this rank computed in the step, whose input is a
-            # DTensor (global rows known): half of the batch of 64. The
-            # other records are not steps: Keras's symbolic build, which
-            # runs eagerly where the "meta" device fails (KerasHub's
-            # layers), and the rules' trace of one row.
-            steps = [r for r in result["split"] if r[0] is not None]
-            assert steps == [(64, 32)], result["split"]
+            # The rows this rank computed in the one step, the last call
+            # recorded: half of the batch of 64. The calls before it are
+            # not steps: Keras's symbolic build of the model, which runs it
+            # eagerly where the "meta" device fails (KerasHub's layers),
+            # and the rules' trace of one row.
+            assert result["split"][-1] == (64, 32), result["split"]
+        if CASES[name].get("in_scope"):
+            # Made in its shards, where the plan then left it.
+            made = {p: v for p, v in result["made"].items() if p.endswith("kernel")}
+            assert made == {p: placements[p] for p in kernels}
 
 
 def test_training_moved_the_weights(four_ranks):

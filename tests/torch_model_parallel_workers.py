@@ -193,7 +193,7 @@ def build(kind, distributed, batchnorm=False):
     if kind in HUB_FAMILIES:
         import hub_models
 
-        return hub_models.model(kind, probe=True)
+        return hub_models.model(kind, probe=True, model_class=model_class)
     return transformer(model_class)
 
 
@@ -208,6 +208,7 @@ def train(
     save_to=None,
     inspect=False,
     rules=None,
+    in_scope=False,
 ):
     """Trains one case; returns weights, logs and (distributed) what it held.
 
@@ -222,6 +223,8 @@ def train(
         rules: `ModelParallel(rules=...)` instead of the kind's LayoutMap
             (through the `ShardingCallback` door); also return the rows
             this process computed and where each split variable lives.
+        in_scope: with `rules`, build the model inside the distribution's
+            scope; also return where each variable was placed as made.
     """
     keras = _keras()
     import split_probe
@@ -229,16 +232,28 @@ def train(
     import keras_parallel
 
     x, y = data(kind, n)
-    # The ShardingCallback door (rules) trains a plain keras.Model.
-    model = build(kind, distributed and rules is None, batchnorm)
+    made, kwargs = None, {}
+    if distributed and in_scope:
+        # Built inside the scope: each variable placed as it is made. On
+        # torch such a model takes the compile door: Keras runs a model
+        # before a `fit`'s callbacks are set (its symbolic build), and
+        # its split variables need the distribution entered.
+        by_rules = distribution(kind, mesh, None, rules)
+        with by_rules.scope():
+            model = build(kind, True, batchnorm)
+        made = _placements(model.variables)
+        kwargs = {"distribution": by_rules}
+    else:
+        # The ShardingCallback door (rules) trains a plain keras.Model.
+        model = build(kind, distributed and rules is None, batchnorm)
     mse = kind in ("mlp", "megatron", *HUB_FAMILIES)
     loss = "mse" if mse else keras.losses.SparseCategoricalCrossentropy(True)
-    kwargs, callbacks = {}, []
-    if distributed and rules is not None:
+    callbacks = []
+    if distributed and rules is not None and made is None:
         callbacks = [
             keras_parallel.ShardingCallback(distribution(kind, mesh, model, rules))
         ]
-    elif distributed:
+    elif distributed and made is None:
         kwargs["distribution"] = distribution(kind, mesh, model)
     split_probe.clear()
     # The variables are placed (their gradient hooks registered) by
@@ -276,6 +291,7 @@ def train(
     if distributed and rules is not None:
         result["split"] = split_probe.records()
         result["placements"] = _placements(model.variables)
+        result["made"] = made
     if inspect and distributed and kind == "mlp":
         result.update(_held(model))
         result["describe"] = keras_parallel.describe(model)
