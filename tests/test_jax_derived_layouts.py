@@ -24,7 +24,6 @@ pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax",
     reason="JAX executor tests; run them under tox -e jax",
 )
-keras_hub = pytest.importorskip("keras_hub")
 
 BATCH = 8
 # max_relative_difference's `noise_floor` is for the attention's key bias:
@@ -318,7 +317,7 @@ def measured(name, distribution, recorded):
 def test_kerashub_llama_auto_and_full_is_no_worse_than_its_own_map(recorded_steps):
     name = "llama"
     expected = one_device(lambda: hub_models.model(name), hub_models.batch(name, BATCH))
-    hub_map = keras_hub.models.LlamaBackbone.get_layout_map(
+    hub_map = hub_models.require().models.LlamaBackbone.get_layout_map(
         mesh(), model_parallel_dim_name="model", data_parallel_dim_name="data"
     )
     theirs = keras_parallel.ModelParallel(layout_map=hub_map, batch_dim_name="data")
@@ -338,7 +337,7 @@ def test_kerashub_qwen_auto_moves_less_and_holds_more_only_by_its_whole_kv(
     recorded_steps,
 ):
     name = "qwen"
-    hub_map = keras_hub.models.QwenBackbone.get_layout_map(
+    hub_map = hub_models.require().models.QwenBackbone.get_layout_map(
         mesh(), model_parallel_dim_name="model", data_parallel_dim_name="data"
     )
     theirs = keras_parallel.ModelParallel(layout_map=hub_map, batch_dim_name="data")
@@ -362,7 +361,7 @@ def test_kerashub_qwen_auto_moves_less_and_holds_more_only_by_its_whole_kv(
 
 
 def test_kerashub_gemmas_own_map_fails_on_fewer_kv_heads_than_devices_and_auto_trains():
-    hub_map = keras_hub.models.GemmaBackbone.get_layout_map(
+    hub_map = hub_models.require().models.GemmaBackbone.get_layout_map(
         mesh(), model_parallel_dim_name="model", data_parallel_dim_name="data"
     )
     theirs = keras_parallel.ModelParallel(layout_map=hub_map, batch_dim_name="data")

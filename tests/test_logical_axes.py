@@ -120,7 +120,6 @@ ATTENTION = {"gemma": "attention", "bert": "self_attention_layer"}
 
 @pytest.mark.parametrize("name", hub_models.NAMES)
 def test_kerashub_backbones(name):
-    pytest.importorskip("keras_hub")
     found = logical_axes.of_model(hub_models.model(name))
     block = "decoder_block" if name == "gemma" else "transformer_layer"
     attention = f"{block}_0/{ATTENTION.get(name, 'self_attention')}"
