@@ -49,6 +49,10 @@ CASES["transformer_ten_steps_2x2"] = dict(
 CASES["transformer_rules_2x2"] = dict(
     kind="transformer", mesh=(2, 2), steps=1, rules="auto"
 )
+# The rules with shard="full": the batch axis on what they leave free.
+CASES["transformer_rules_full_2x2"] = dict(
+    kind="transformer", mesh=(2, 2), steps=1, rules="auto", shard="full"
+)
 # KerasHub's backbones where it imports (not with keras-nightly 3.16, whose
 # torch-nightly env runs this file): test_kerashub_imports_here says so.
 ON_TORCH = keras.backend.backend() == "torch"
@@ -279,11 +283,16 @@ def test_derived_layouts_split_every_kernel_and_the_batch(four_ranks, name):
         every_kernel = [v.path for v in model.weights if v.path.endswith("kernel")]
         # Each kernel split over `model` (the output layer's 48 logits too).
         assert sorted(kernels) == sorted(every_kernel)
+        full = CASES[name].get("shard") == "full"
         for path in kernels:
             placement, local = placements[path]
-            assert placement.count("R") == 1 and "S(" in placement[1], path
+            assert "S(" in placement[1], path  # Split over `model`...
+            # ... and with shard="full" over `data` too, on another dimension.
+            on_data = placement[0]
+            assert on_data.startswith("S(") if full else on_data == "R", path
             whole = dict((v.path, tuple(v.shape)) for v in model.weights)[path]
-            assert 2 * int(np.prod(local)) == int(np.prod(whole)), path
+            ways = 4 if full else 2
+            assert ways * int(np.prod(local)) == int(np.prod(whole)), path
         if CASES[name]["kind"] in workers.HUB_FAMILIES:
             # The rows this rank computed in the one step, the last call
             # recorded: half of the batch of 64. The calls before it are

@@ -158,7 +158,7 @@ def data(kind, n):
 
 
 # -------------------------------------------------------------------- runs
-def distribution(kind, mesh_shape, model, rules=None):
+def distribution(kind, mesh_shape, model, rules=None, shard=None):
     keras = _keras()
     import keras_parallel
 
@@ -166,7 +166,11 @@ def distribution(kind, mesh_shape, model, rules=None):
     mesh = keras.distribution.DeviceMesh(mesh_shape, list(AXES), devices)
     if rules is not None:  # No LayoutMap: layouts derived from the layers.
         return keras_parallel.ModelParallel(
-            device_mesh=mesh, rules=rules, batch_dim_name="data"
+            device_mesh=mesh,
+            rules=rules,
+            batch_dim_name="data",
+            shard=shard,
+            shard_min_size=1,  # The test models' variables are all small.
         )
     layout_map = keras.distribution.LayoutMap(mesh)
     if kind == "mlp":
@@ -209,6 +213,7 @@ def train(
     inspect=False,
     rules=None,
     in_scope=False,
+    shard=None,
 ):
     """Trains one case; returns weights, logs and (distributed) what it held.
 
@@ -225,6 +230,7 @@ def train(
             this process computed and where each split variable lives.
         in_scope: with `rules`, build the model inside the distribution's
             scope; also return where each variable was placed as made.
+        shard: with `rules`, `shard=` of the `ModelParallel`.
     """
     keras = _keras()
     import split_probe
@@ -251,7 +257,9 @@ def train(
     callbacks = []
     if distributed and rules is not None and made is None:
         callbacks = [
-            keras_parallel.ShardingCallback(distribution(kind, mesh, model, rules))
+            keras_parallel.ShardingCallback(
+                distribution(kind, mesh, model, rules, shard)
+            )
         ]
     elif distributed and made is None:
         kwargs["distribution"] = distribution(kind, mesh, model)
