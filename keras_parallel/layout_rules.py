@@ -195,3 +195,55 @@ def warn_unused(rules, used_rules, model, axis_names, batch_axis, sizes, misfits
                 "or use keras_parallel.DataParallel().",
                 stacklevel=4,
             )
+
+
+class RulePlacement:
+    """The rules placing one model's variables, for `plan.resolve_plan`.
+
+    Args:
+        distribution: the distribution (its `rules`).
+        model: the built model.
+        rules: the resolved rules.
+        batch_axis: the batch axis.
+        sizes: `{mesh axis: size}`.
+    """
+
+    def __init__(self, distribution, model, rules, batch_axis, sizes):
+        self.model = model
+        self.rules = rules
+        self.batch_axis = batch_axis
+        self.sizes = sizes
+        self._users = None if distribution.rules == AUTO else rules
+        self._logical = logical_axes.of_model(model)
+        self._used = set()
+        self._misfits = {}
+
+    @classmethod
+    def of(cls, distribution, model, batch_axis, sizes):
+        """The placement, or `None` for a distribution without rules."""
+        rules = rules_of(distribution, tuple(sizes), batch_axis)
+        if rules is None:
+            return None
+        return cls(distribution, model, rules, batch_axis, sizes)
+
+    def place(self, variable):
+        """`(axes, key, logical axis names or None)` of one model variable."""
+        found = self._logical.get(variable.path)
+        axes, key, misfits = place(found, tuple(variable.shape), self.rules, self.sizes)
+        names = found.names if found is not None else None
+        self._used.update((n, a) for n, a in zip(names or (), axes, strict=False) if a)
+        if misfits:
+            self._misfits[variable.path] = misfits
+        return axes, key, names
+
+    def warn_unused(self):
+        """`warn_unused` for what `place` saw."""
+        warn_unused(
+            self._users,
+            self._used,
+            self.model,
+            tuple(self.sizes),
+            self.batch_axis,
+            self.sizes,
+            self._misfits,
+        )

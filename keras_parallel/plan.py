@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from keras_parallel import layout_keys, layout_rules, logical_axes, sharding
+from keras_parallel import layout_keys, layout_rules, sharding
 from keras_parallel.errors import ShardingError
 
 
@@ -214,9 +214,7 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
             else:
                 variable_keys.append((key, axes))
 
-    rules = layout_rules.rules_of(distribution, axis_names, batch_axis)
-    logical = logical_axes.of_model(model) if rules is not None else {}
-    used_rules, misfits = set(), {}
+    by_rules = layout_rules.RulePlacement.of(distribution, model, batch_axis, sizes)
     entries = []
     used_keys = set()
     chosen = {}
@@ -227,34 +225,15 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         if key in dict(variable_keys):
             used_keys.add(key)
         names = None
-        if rules is not None and key == "(replicated)":
+        if by_rules is not None and key == "(replicated)":
             # No LayoutMap key named it: the rules place it.
-            found = logical.get(variable.path)
-            axes, key, misfit = layout_rules.place(
-                found, tuple(variable.shape), rules, sizes
-            )
-            names = found.names if found is not None else None
-            used_rules.update(
-                (n, a) for n, a in zip(names or (), axes, strict=False) if a
-            )
-            if misfit:
-                misfits[variable.path] = misfit
+            axes, key, names = by_rules.place(variable)
         if shard == "full":
             axes, key = sharded(variable, axes, key)
         chosen[variable.path] = axes
         entries.append(_entry(variable, "model", axes, key, sizes, names))
-    if rules is not None:
-        layout_rules.warn_unused(
-            None
-            if getattr(distribution, "rules", None) == layout_rules.AUTO
-            else rules,
-            used_rules,
-            model,
-            axis_names,
-            batch_axis,
-            sizes,
-            misfits,
-        )
+    if by_rules is not None:
+        by_rules.warn_unused()
     references = {v.path.replace("/", "_"): v for v in model_vars if v.trainable}
     for variable in optimizer_vars:
         reference = layout_keys.reference_of(variable, references)
