@@ -217,6 +217,16 @@ class ModelParallel(_ShardedLayouts, keras.distribution.ModelParallel):
         )
         #: The pairs of the dense-like layers made in this scope, in order.
         self._new_pairs = logical_axes.Pairs()
+        # A rule naming an axis the mesh lacks fails here, not at a fit.
+        layout_rules.rules_of(
+            self, tuple(layout_map.device_mesh.axis_names), self.batch_dim_name
+        )
+
+    @contextlib.contextmanager
+    def scope(self):
+        self._new_pairs = logical_axes.Pairs()  # No pair open from a model before.
+        with super().scope():
+            yield
 
     def _layout_of_new(self, variable, layout):
         # A variable made inside `scope()` by a layer, no LayoutMap key
@@ -229,7 +239,10 @@ class ModelParallel(_ShardedLayouts, keras.distribution.ModelParallel):
         ):
             return layout
         layer = keras_compat.layer_making_variable()
-        if layer is None:
+        if layer is None or variable.path != f"{layer.path}/{variable.name}":
+            # Not made by `add_weight` in its layer's scope (a model built by
+            # its first call initializes its variables later, in the outer
+            # model's scope): the plan places it.
             return layout
         logical = logical_axes.of_new_variable(layer, variable, self._new_pairs)
         mesh = self.device_mesh

@@ -74,6 +74,14 @@ def check_rules(rules):
                 f'pairs. Received: rules={rules!r}; pass rules="auto".'
             )
         return AUTO
+    if not isinstance(rules, (list, tuple)) or (
+        len(rules) == 2 and all(isinstance(r, str) for r in rules)
+    ):
+        raise ShardingError(
+            '`rules` must be "auto" or a list of (logical axis, mesh axis) '
+            f"pairs. Received: rules={rules!r}; pass e.g. "
+            "rules=[('mlp', 'model')] (a list, even of one rule)."
+        )
     checked = []
     for rule in rules:
         if (
@@ -154,7 +162,9 @@ def place(logical, shape, rules, sizes):
     return tuple(axes), f"(rules: {note})", misfits
 
 
-def warn_unused(rules, used_rules, model, axis_names, batch_axis, sizes, misfits):
+def warn_unused(
+    rules, used_rules, model, axis_names, batch_axis, sizes, misfits, split_axes
+):
     """Warns of rules that place nothing, and of a model axis that splits nothing.
 
     Args:
@@ -166,6 +176,8 @@ def warn_unused(rules, used_rules, model, axis_names, batch_axis, sizes, misfits
         batch_axis: the batch axis.
         sizes: `{mesh axis: size}`.
         misfits: `{variable path: [(logical axis, mesh axis, dimension)]}`.
+        split_axes: the mesh axes any variable is split over (by a rule or
+            a `LayoutMap` key).
     """
     for rule in rules or ():
         if rule in used_rules or rule[1] is None:
@@ -184,7 +196,6 @@ def warn_unused(rules, used_rules, model, axis_names, batch_axis, sizes, misfits
             "logical axes; change or drop the rule.",
             stacklevel=4,
         )
-    split_axes = {mesh_axis for _, mesh_axis in used_rules}
     for name in axis_names:
         if name != batch_axis and int(sizes[name]) > 1 and name not in split_axes:
             warnings.warn(
@@ -217,6 +228,7 @@ class RulePlacement:
         self._logical = logical_axes.of_model(model)
         self._used = set()
         self._misfits = {}
+        self._split_axes = set()
 
     @classmethod
     def of(cls, distribution, model, batch_axis, sizes):
@@ -236,6 +248,10 @@ class RulePlacement:
             self._misfits[variable.path] = misfits
         return axes, key, names
 
+    def saw(self, axes):
+        """Notes the axes the plan gave a variable (a key's or the rules')."""
+        self._split_axes.update(a for a in axes if a is not None)
+
     def warn_unused(self):
         """`warn_unused` for what `place` saw."""
         warn_unused(
@@ -246,4 +262,5 @@ class RulePlacement:
             self.batch_axis,
             self.sizes,
             self._misfits,
+            self._split_axes,
         )

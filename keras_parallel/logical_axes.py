@@ -72,26 +72,28 @@ def of_model(model):
     LogicalAxes(names=('embed', 'mlp'), role='column of a pair')
     """
     owned = _variables_by_layer(model)
+    kernels = {
+        id(layer): tuple(variables["kernel"].shape)
+        for layer, variables in owned
+        if _is_pairable(layer)
+        and len(getattr(variables.get("kernel"), "shape", ())) >= 2
+    }
+    roles = _pair(model, [layer for layer, _ in owned], kernels)
     axes = {}
-    pairable = []
     for layer, variables in owned:
-        if _is_pairable(layer):
-            pairable.append(layer)
-            continue
         for name, variable in variables.items():
-            names_role = _static_axes(layer, name, tuple(variable.shape))
-            if names_role is not None:
-                axes[variable.path] = LogicalAxes(*names_role)
-    roles = _pair(model, pairable)
-    for layer, variables in owned:
-        if layer in roles:
-            for name, variable in variables.items():
-                names = _paired_axes(layer, name, len(variable.shape), roles[layer])
-                if names is not None:
-                    axes[variable.path] = LogicalAxes(
-                        names, f"{roles[layer]} of a pair"
-                    )
-    return axes
+            shape = tuple(variable.shape)
+            if id(layer) in kernels:
+                role = roles[id(layer)]
+                names = _paired_axes(name, len(shape), role)
+                found = None if names is None else (names, f"{role} of a pair")
+            else:
+                found = _static_axes(layer, name, shape)
+            if found is not None:
+                axes.setdefault(variable.path, []).append(LogicalAxes(*found))
+    # Two variables of one path (two layers of one name in a subclassed
+    # model) cannot be told apart by the plan: both stay whole.
+    return {path: found[0] for path, found in axes.items() if len(found) == 1}
 
 
 def _variables_by_layer(model):
@@ -118,13 +120,7 @@ def _is_pairable(layer):
     )
 
 
-def _features(layer):
-    """`(input features, output features)` of a pairable layer's kernel."""
-    shape = tuple(layer.kernel.shape)
-    return shape[-2], shape[-1]
-
-
-def _paired_axes(layer, name, rank, role):
+def _paired_axes(name, rank, role):
     first, second = (EMBED, MLP) if role == "column" else (MLP, EMBED)
     if name == "kernel":
         return (SPATIAL,) * (rank - 2) + (first, second)
@@ -134,7 +130,9 @@ def _paired_axes(layer, name, rank, role):
 
 
 def _einsum_parts(layer):
-    match = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w+)\s*", layer.equation)
+    # `...` stands for dimensions the kernel does not have.
+    equation = layer.equation.replace("...", "")
+    match = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w+)\s*", equation)
     if match is None:
         return None
     return match.groups()
@@ -210,13 +208,19 @@ class Pairs:
     """Megatron's pairs, decided one dense-like layer at a time, in call order.
 
     A layer is the second of a pair (`"row"`) when it takes the output
-    features of the pair's open first layers and is not called on their
-    input; else it opens or joins a pair's first layers (`"column"`).
+    features of the pair's open first layers and is not their sibling
+    (called on the same tensor); else it opens or joins a pair's first
+    layers (`"column"`). A layer with weights that mixes features (a
+    normalization over them, attention, an embedding) closes the open pair.
     """
 
     def __init__(self):
         self.roles = {}
         self._columns = []  # The open pair's first layers: (input, features).
+
+    def close(self):
+        """A layer that mixes features ran: no pair stays open across it."""
+        self._columns = []
 
     def role(self, layer, features_in, features_out, inputs=None):
         """The layer's role, decided at its first call.
@@ -246,19 +250,38 @@ class Pairs:
         return role
 
 
-def _pair(model, layers):
-    """`{layer: "column" or "row"}` for the dense-like layers, Megatron's pairs."""
-    if not layers:
+def _pair(model, layers, kernels):
+    """`{id(layer): "column" or "row"}` for the dense-like layers, in pairs.
+
+    Args:
+        model: the model.
+        layers: every layer that holds variables.
+        kernels: `{id(layer): kernel shape}` of the dense-like ones.
+    """
+    pairable = [layer for layer in layers if id(layer) in kernels]
+    if not pairable:
         return {}
-    calls = _call_order(model, layers)
+    calls = _call_order(model, [layer for layer in layers if layer is not model])
     if calls is None:
-        # No symbolic pass: the layers in the order the model holds them,
-        # inputs unknown.
-        calls = [(layer, None) for layer in layers]
+        warnings.warn(
+            f"Model {model.name!r} could not be traced symbolically, so its "
+            "dense layers are paired (Megatron's column then row) in the order "
+            "the model holds them, which may not be the order it calls them. "
+            "Check keras_parallel.describe(model, distribution), and give a "
+            "LayoutMap key for a variable placed wrong (a key wins over the "
+            "rules), or build the model with model.build(shape) first.",
+            stacklevel=5,
+        )
+        calls = [(layer, None) for layer in pairable]
     pairs = Pairs()
     for layer, inputs in calls:
-        pairs.role(layer, *_features(layer), inputs=inputs)
-    return {layer: pairs.roles.get(id(layer), "column") for layer in layers}
+        if id(layer) in kernels:
+            pairs.role(layer, *kernels[id(layer)][-2:], inputs=inputs)
+        elif not isinstance(layer, keras.layers.BatchNormalization):
+            # BatchNormalization normalizes each feature on its own: a pair
+            # (of convolutions) stays open across it.
+            pairs.close()
+    return {id(layer): pairs.roles.get(id(layer), "column") for layer in pairable}
 
 
 def of_new_variable(layer, variable, pairs):
@@ -268,7 +291,7 @@ def of_new_variable(layer, variable, pairs):
     the layer exists: layers are built in the order they are first called,
     but what they are called on is not known yet, so a layer called on the
     same input as one of the same sizes is taken for the second of a pair
-    (the plan corrects it once the model is built).
+    (the plan, which traces the model, moves what it places otherwise).
 
     Args:
         layer: the layer making the variable.
@@ -284,12 +307,10 @@ def of_new_variable(layer, variable, pairs):
             role = pairs.role(layer, shape[-2], shape[-1])
         else:
             role = pairs.roles.get(id(layer))
-        names = (
-            None
-            if role is None
-            else _paired_axes(layer, variable.name, len(shape), role)
-        )
+        names = None if role is None else _paired_axes(variable.name, len(shape), role)
         return None if names is None else LogicalAxes(names, f"{role} of a pair")
+    if not isinstance(layer, keras.layers.BatchNormalization):
+        pairs.close()  # As a call of it would (`_pair`).
     found = _static_axes(layer, variable.name, shape)
     return None if found is None else LogicalAxes(*found)
 

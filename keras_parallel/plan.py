@@ -225,9 +225,10 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         if key in dict(variable_keys):
             used_keys.add(key)
         names = None
-        if by_rules is not None and key == "(replicated)":
-            # No LayoutMap key named it: the rules place it.
-            axes, key, names = by_rules.place(variable)
+        if by_rules is not None:
+            if key == "(replicated)":  # No LayoutMap key named it.
+                axes, key, names = by_rules.place(variable)
+            by_rules.saw(axes)
         if shard == "full":
             axes, key = sharded(variable, axes, key)
         chosen[variable.path] = axes

@@ -259,6 +259,60 @@ def test_a_model_built_inside_the_scope_is_made_split_and_trains_as_one_device(k
     assert shards(model) == made  # The plan agreed with the layouts made.
 
 
+def test_a_second_model_built_in_one_scope_is_made_as_the_first():
+    distribution = auto()
+    with distribution.scope():
+        first = shards(plain_mlp())
+        second = shards(plain_mlp())
+    assert first == second
+    assert first["down/kernel"] == ((16, 32), (64, 32))
+
+
+def test_a_model_built_by_its_first_call_in_the_scope_is_planned_right():
+    # Keras builds a subclassed model called in the scope later, in the
+    # model's name scope: no variable takes the model's axes for its own.
+    class Mlp(keras.Model):
+        def __init__(self):
+            super().__init__(name="mlp")
+            self.up = keras.layers.Dense(64, activation="relu", name="up")
+            self.down = keras.layers.Dense(16, name="down")
+
+        def call(self, x):
+            return self.down(self.up(x))
+
+    data = (data_of("mlp")[0], data_of("mlp")[0])
+
+    def build():
+        keras.utils.set_random_seed(5)
+        model = Mlp()
+        model(np.zeros((1, 16), "float32"))
+        return model
+
+    expected = one_device(build, data)
+    distribution = auto()
+    with distribution.scope():
+        model = build()
+    got = train(model, data, distribution)
+    assert max_relative_difference(expected, got) < 1e-5
+    held = shards(model)
+    assert held["mlp/up/kernel"] == ((16, 16), (16, 64))
+    assert held["mlp/down/kernel"] == ((16, 16), (64, 16))
+
+
+def test_a_layout_map_and_rules_together_warn_only_of_the_rule_that_splits_nothing():
+    layout_map = keras.distribution.LayoutMap(mesh())
+    layout_map["up/kernel"] = (None, "model")
+    layout_map["down/kernel"] = ("model", None)
+    distribution = keras_parallel.ModelParallel(
+        layout_map=layout_map, rules=[("vocab", "model")], batch_dim_name="data"
+    )
+    with pytest.warns(UserWarning) as warned:
+        keras_parallel.describe(plain_mlp(), distribution)
+    messages = [str(w.message) for w in warned]
+    assert any("Rule ('vocab', 'model') splits nothing" in m for m in messages)
+    assert not any("Mesh axis" in m for m in messages), messages
+
+
 def test_a_model_axis_that_divides_nothing_warns():
     devices = keras.distribution.list_devices()[:6]
     three = keras.distribution.DeviceMesh((2, 3), ["data", "model"], devices)
@@ -360,7 +414,7 @@ def test_kerashub_qwen_auto_moves_less_and_holds_more_only_by_its_whole_kv(
     assert their_bytes < device_bytes(model) <= their_bytes + kv
 
 
-def test_kerashub_gemmas_own_map_fails_on_fewer_kv_heads_than_devices_and_auto_trains():
+def test_kerashub_gemmas_own_map_fails_on_fewer_kv_heads_than_devices_and_the_rules_place_it():
     hub_map = hub_models.require().models.GemmaBackbone.get_layout_map(
         mesh(), model_parallel_dim_name="model", data_parallel_dim_name="data"
     )
@@ -369,4 +423,8 @@ def test_kerashub_gemmas_own_map_fails_on_fewer_kv_heads_than_devices_and_auto_t
         ValueError, match="key/kernel' cannot be split over mesh axis 'model'"
     ):
         keras_parallel.describe(hub_models.model("gemma"), theirs)
-    keras_parallel.describe(hub_models.model("gemma"), auto())
+    table = keras_parallel.describe(hub_models.model("gemma"), auto())
+    key = next(x for x in table.splitlines() if "0/attention/key/kernel" in x)
+    assert "(-, -, -)" in key and "model does not divide kv_heads 2" in key
+    query = next(x for x in table.splitlines() if "0/attention/query/kernel" in x)
+    assert "(model, -, -)" in query

@@ -66,6 +66,12 @@ def test_auto_rules_need_one_model_axis():
         ([("mlp",)], r"Received: \('mlp',\)"),
         ([("mlp", 4)], "the mesh axis a string or None"),
         ([["mlp", ("model", "data")]], "pair of names"),
+        (5, r"Received: rules=5;"),
+        (
+            ("mlp", "model"),
+            r"Received: rules=\('mlp', 'model'\); .*a list, even of one",
+        ),
+        ({"mlp": "model"}, r"Received: rules=\{'mlp': 'model'\}"),
     ],
 )
 def test_rules_that_are_not_pairs_of_names_are_refused(rules, match):
@@ -78,14 +84,22 @@ def mesh(shape=(1, 1)):
     return keras.distribution.DeviceMesh(shape, ["data", "model"], devices)
 
 
-def test_a_rule_naming_an_axis_the_mesh_lacks_is_refused_naming_it():
-    distribution = keras_parallel.ModelParallel(
-        device_mesh=mesh(), rules=[("mlp", "tensor")], batch_dim_name="data"
-    )
+def test_a_rule_naming_an_axis_the_mesh_lacks_is_refused_when_made():
     with pytest.raises(
         ShardingError, match=r"Rule \('mlp', 'tensor'\) names a mesh axis"
     ):
-        layout_rules.rules_of(distribution, ("data", "model"), "data")
+        keras_parallel.ModelParallel(
+            device_mesh=mesh(), rules=[("mlp", "tensor")], batch_dim_name="data"
+        )
+
+
+def test_auto_rules_on_a_mesh_of_three_axes_are_refused_when_made():
+    devices = keras.distribution.list_devices()[:1]
+    three = keras.distribution.DeviceMesh((1, 1, 1), ["data", "model", "x"], devices)
+    with pytest.raises(ShardingError, match="two axes, the batch axis and one"):
+        keras_parallel.ModelParallel(
+            device_mesh=three, rules="auto", batch_dim_name="data"
+        )
 
 
 def test_model_parallel_needs_a_layout_map_or_rules_with_a_mesh():

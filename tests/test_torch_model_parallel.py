@@ -293,6 +293,11 @@ def test_derived_layouts_split_every_kernel_and_the_batch(four_ranks, name):
             whole = dict((v.path, tuple(v.shape)) for v in model.weights)[path]
             ways = 4 if full else 2
             assert ways * int(np.prod(local)) == int(np.prod(whole)), path
+        if name == "transformer_rules_2x2":
+            # Megatron's pair: the gate split by its outputs, the next by
+            # its inputs.
+            assert placements["ffw_gating/kernel"][0] == ["R", "S(1)"]
+            assert placements["ffw_linear/kernel"][0] == ["R", "S(0)"]
         if CASES[name]["kind"] in workers.HUB_FAMILIES:
             # The rows this rank computed in the one step, the last call
             # recorded: half of the batch of 64. The calls before it are
