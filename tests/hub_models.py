@@ -30,7 +30,7 @@ def require():
     return pytest.importorskip(
         "keras_hub",
         reason="KerasHub is not installed or does not import with this Keras "
-        "(tox installs it in the jax and torch envs but the nightly ones)",
+        "(tox installs it in the default jax and torch envs only)",
         exc_type=ImportError,
     )
 
