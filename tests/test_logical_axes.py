@@ -150,14 +150,16 @@ def test_a_model_it_cannot_trace_is_paired_in_the_order_it_holds_its_layers():
             super().__init__(name="untraceable")
             self.up = keras.layers.Dense(32, name="up")
             self.down = keras.layers.Dense(8, name="down")
+            self.refuses = False
 
         def call(self, x):
-            # A host copy: no symbolic tensor passes through it.
-            x = keras.ops.convert_to_tensor(np.asarray(x))
+            if self.refuses:  # As a model whose call a trace cannot run.
+                raise ValueError("this model runs on real batches only")
             return self.down(self.up(x))
 
     model = Untraceable()
     model(np.ones((2, 8), "float32"))
+    model.refuses = True
     with pytest.warns(UserWarning, match="'untraceable' could not be traced"):
         found = {p.split("/", 1)[1]: n for p, n in names_of(model).items()}
     assert found["up/kernel"] == ("embed", "mlp")
