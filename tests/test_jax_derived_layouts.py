@@ -209,7 +209,9 @@ def test_full_shards_split_what_the_rules_leave_over_the_data_axis():
     expected = one_device(encoder, data)
     alone, full = encoder(), encoder()
     train(alone, data, auto())
+    split_probe.clear()
     got = train(full, data, auto(shard="full", shard_min_size=1))
+    split_probe.assert_divided(split_probe.records(), BATCH, 2)
     assert max_relative_difference(expected, got, noise_floor=1e-3) < 1e-5
     held = shards(full)
     # up: mlp on the model axis (rules), embed on the data axis (shard).
@@ -228,6 +230,7 @@ def test_a_layout_map_key_wins_over_the_rules():
     model = plain_mlp()
     got = train(model, data, distribution)
     assert max_relative_difference(expected, got, noise_floor=1e-3) < 1e-5
+    split_probe.assert_divided(split_probe.records(), BATCH, 2)
     held = shards(model)
     assert held["up/kernel"] == ((4, 64), (16, 64))
     assert held["down/kernel"] == ((16, 32), (64, 32))  # Still the rules'.
@@ -242,7 +245,7 @@ def test_a_layout_map_key_wins_over_the_rules():
 def test_a_model_built_inside_the_scope_is_made_split_and_trains_as_one_device(kind):
     if kind == "llama":
         data = hub_models.batch("llama", BATCH)
-        build = lambda model_class=None: hub_models.model("llama")  # noqa: E731
+        build = lambda model_class=None: hub_models.model("llama", probe=True)  # noqa: E731
     else:
         data, build = data_of("mlp"), plain_mlp
     expected = one_device(build, data)
@@ -265,6 +268,7 @@ def test_a_model_built_inside_the_scope_is_made_split_and_trains_as_one_device(k
     door = "compile" if kind == "mlp" else "callback"
     got = train(model, data, distribution, door=door)
     assert max_relative_difference(expected, got, noise_floor=1e-3) < 1e-5
+    split_probe.assert_divided(split_probe.records(), BATCH, 2)
     assert shards(model) == made  # The plan agreed with the layouts made.
 
 
@@ -285,9 +289,10 @@ def test_a_model_built_by_its_first_call_in_the_scope_is_planned_right():
             super().__init__(name="mlp")
             self.up = keras.layers.Dense(64, activation="relu", name="up")
             self.down = keras.layers.Dense(16, name="down")
+            self.probe = split_probe.probe()
 
         def call(self, x):
-            return self.down(self.up(x))
+            return self.down(self.up(self.probe(x)))
 
     data = (data_of("mlp")[0], data_of("mlp")[0])
 
@@ -303,6 +308,7 @@ def test_a_model_built_by_its_first_call_in_the_scope_is_planned_right():
         model = build()
     got = train(model, data, distribution)
     assert max_relative_difference(expected, got) < 1e-5
+    split_probe.assert_divided(split_probe.records(), BATCH, 2)
     held = shards(model)
     assert held["mlp/up/kernel"] == ((16, 16), (16, 64))
     assert held["mlp/down/kernel"] == ((16, 16), (64, 16))
@@ -372,7 +378,8 @@ def collectives(recorded):
 
 
 def measured(name, distribution, recorded):
-    model = hub_models.model(name)
+    split_probe.clear()
+    model = hub_models.model(name, probe=True)
     weights = train(model, hub_models.batch(name, BATCH), distribution)
     return weights, device_bytes(model), collectives(recorded)
 
@@ -391,6 +398,7 @@ def test_kerashub_llama_auto_and_full_is_no_worse_than_its_own_map(recorded_step
         name, auto(shard="full"), recorded_steps
     )
     assert max_relative_difference(expected, got, noise_floor=1e-3) < 1e-5
+    split_probe.assert_divided(split_probe.records(), BATCH, 2)
     assert our_bytes <= their_bytes
     assert our_count <= their_count
     assert our_traffic <= their_traffic
