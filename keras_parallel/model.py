@@ -126,7 +126,10 @@ class DistributedModel:
             *args: `keras.Model.load_weights` arguments.
             **kwargs: `keras.Model.load_weights` arguments.
         """
-        if os.path.isdir(os.fspath(filepath)) and executor_class().restores_checkpoints:
+        if (
+            os.path.isdir(os.fspath(filepath))
+            and executor_class().checkpoint_io_class.restores_checkpoints
+        ):
             from keras_parallel.persistence.checkpoints import restore_checkpoint
 
             restore_checkpoint(self, filepath)
@@ -207,7 +210,9 @@ class DistributedModel:
         binding = getattr(self, "_kp_binding", None)
         if binding is None:
             return super().get_weights()
-        return [binding.executor.host_value(v.value) for v in self.weights]
+        return [
+            binding.executor.checkpoint_io.host_value(v.value) for v in self.weights
+        ]
 
     def __setattr__(self, name, value):
         # Keras's JAX `fit` stores its step state in `_jax_state` after every
@@ -273,7 +278,7 @@ def _snapshot(model):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
         variables += list(optimizer.variables)
-    keep = executor_class().kept_value
+    keep = executor_class().checkpoint_io_class.kept_value
     return [(v, keep(v.value)) for v in variables]
 
 

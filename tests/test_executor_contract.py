@@ -78,7 +78,7 @@ def test_random_state_comes_from_process_0():
     np.random.seed(1)
     random.seed(1)
     process_0 = _Executor()
-    payload = pickle.dumps(process_0.host_random_state())
+    payload = pickle.dumps(process_0.checkpoint_io.host_random_state())
     expected = (np.random.rand(), random.random())
     np.random.seed(2)  # Process 1 seeded otherwise.
     random.seed(2)

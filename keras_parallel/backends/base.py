@@ -10,6 +10,8 @@ import abc
 import contextlib
 import pickle
 
+from keras_parallel.backends.checkpoint_io import CheckpointIO
+
 
 class Executor(abc.ABC):
     """Applies a `ShardingPlan` to a model on one backend.
@@ -36,8 +38,13 @@ class Executor(abc.ABC):
     #: The Keras backend this executor runs on (`"jax"`, `"torch"`, ...).
     backend = None
 
+    #: The `CheckpointIO` subclass of this backend: how saving, backups and
+    #: `restore_checkpoint` reach its values.
+    checkpoint_io_class = CheckpointIO
+
     def __init__(self, distribution):
         self.distribution = distribution
+        self.checkpoint_io = self.checkpoint_io_class(self)
 
     # ----------------------------------------------------------- devices
     @classmethod
@@ -182,113 +189,12 @@ class Executor(abc.ABC):
         """
         return None
 
-    def host_value(self, value):
-        """A variable's whole value on this process's host, as NumPy.
-
-        Args:
-            value: a variable's backend value.
-
-        Returns:
-            A NumPy array; on JAX across processes, gathered from them.
-        """
-        from keras import ops
-
-        return ops.convert_to_numpy(value)
-
-    @classmethod
-    def kept_value(cls, value):
-        """A variable's value held aside, unchanged by later assignments.
-
-        Args:
-            value: a variable's backend value.
-
-        Returns:
-            A copy (the default: tensors may change in place), or the value
-            itself where the backend never changes one in place (JAX).
-        """
-        from keras import ops
-
-        return ops.copy(value)
-
     #: Whether a model must be released (`release`) for plain Keras to run
     #: it right after a `ShardingCallback`'s run. JAX arrays and torch
     #: tensors placed by a plan run plainly as they are (and a model split
     #: over devices may not fit one); TensorFlow's metric variables of a
     #: strategy sum their replicas, which plain Keras does not expect.
     released_after_a_callback_run = False
-
-    # ----------------------------------------------------------- checkpoints
-    #: Whether `restore_checkpoint` reads a `keras.callbacks.OrbaxCheckpoint`
-    #: folder on this backend (and `load_weights(folder)` goes there).
-    restores_checkpoints = False
-
-    @classmethod
-    def restore_checkpoint(cls, model, path):
-        """Reads one step of an `OrbaxCheckpoint` into `model`'s layout.
-
-        Args:
-            model: a built model.
-            path: the folder of one finished step.
-
-        Raises:
-            NotImplementedError: the default; see `restores_checkpoints`.
-        """
-        import keras
-
-        backend = keras.backend.backend()
-        raise NotImplementedError(
-            "restore_checkpoint lays out shards with jax.sharding and runs on "
-            f"the JAX backend only. Received: KERAS_BACKEND={backend!r}; on "
-            "this backend use Keras's own `model.load_weights(directory)`."
-        )
-
-    def saving(self, model):
-        """What must be in force while `model` is saved (on every process).
-
-        Args:
-            model: the model being saved.
-
-        Returns:
-            A context manager; nothing on most backends. Across JAX
-            processes, every process gathers what it does not hold whole.
-        """
-        return contextlib.nullcontext()
-
-    # ------------------------------------------------------- random state
-    def host_random_state(self):
-        """The host random state a resumed run must continue from.
-
-        Keras's data adapters draw each epoch's shuffle from it. NumPy's
-        and Python's global state here; a backend adds its own.
-
-        Returns:
-            A nest of tuples, lists, dicts, NumPy arrays, bytes and numbers.
-        """
-        import random
-
-        import numpy as np
-
-        return {"numpy": np.random.get_state(), "python": random.getstate()}
-
-    def set_host_random_state(self, state):
-        """Puts back what `host_random_state` returned (tuples may be lists)."""
-        import random
-
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-
-    def rank_seed_state(self, state):
-        """This process's seed generator state for process 0's `state`.
-
-        A backend whose processes each draw their own dropout masks from
-        offset seeds (torch) offsets it; elsewhere every process holds the
-        same state.
-        """
-        return state
 
     # ------------------------------------------------------- collectives
     @property
@@ -361,7 +267,8 @@ class Executor(abc.ABC):
         point of the entry point.
         """
         if self.num_processes > 1:
-            self.set_host_random_state(self.broadcast(self.host_random_state()))
+            io = self.checkpoint_io
+            io.set_host_random_state(self.broadcast(io.host_random_state()))
 
     def _single_process_only(self, collective):
         if self.num_processes > 1:

@@ -82,7 +82,11 @@ def call_replacing(save, args, kwargs, executor=None, model=None):
     """
     path, rebuild = file_argument(args, kwargs)
     local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
-    context = contextlib.nullcontext() if executor is None else executor.saving(model)
+    context = (
+        contextlib.nullcontext()
+        if executor is None
+        else executor.checkpoint_io.saving(model)
+    )
     with context:
         if not local or (not kwargs.get("overwrite", True) and os.path.exists(path)):
             return save(*args, **kwargs)

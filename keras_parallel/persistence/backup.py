@@ -275,16 +275,16 @@ def _is_weights_file(name):
 def _random_state(model, executor):
     """The host random state and the model's seed generator states, as JSON."""
     return {
-        "host": _encode(executor.host_random_state()),
+        "host": _encode(executor.checkpoint_io.host_random_state()),
         "seed_generators": [
-            np.asarray(executor.host_value(v.value)).tolist()
+            np.asarray(executor.checkpoint_io.host_value(v.value)).tolist()
             for v in _seed_states(model)
         ],
     }
 
 
 def _set_random_state(model, executor, state):
-    executor.set_host_random_state(_decode(state["host"]))
+    executor.checkpoint_io.set_host_random_state(_decode(state["host"]))
     saved = state["seed_generators"]
     variables = _seed_states(model)
     if len(saved) != len(variables):
@@ -295,7 +295,7 @@ def _set_random_state(model, executor, state):
         )
     for variable, value in zip(variables, saved, strict=True):
         value = np.asarray(value, dtype=variable.dtype)
-        variable.assign(executor.rank_seed_state(value))
+        variable.assign(executor.checkpoint_io.rank_seed_state(value))
 
 
 def _seed_states(model):

@@ -60,11 +60,11 @@ def restore_checkpoint(model, directory, step=None):
     """
     from keras_parallel.backends import executor_class
 
-    executor = executor_class()
-    if not executor.restores_checkpoints:
-        executor.restore_checkpoint(model, directory)  # Raises: says why.
+    checkpoint_io = executor_class().checkpoint_io_class
+    if not checkpoint_io.restores_checkpoints:
+        checkpoint_io.restore_checkpoint(model, directory)  # Raises: says why.
     path, step = checkpoint_path(directory, step)
-    executor.restore_checkpoint(model, path)
+    checkpoint_io.restore_checkpoint(model, path)
     return step
 
 

@@ -17,6 +17,10 @@ from keras.distribution import TensorLayout
 
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.jax import batches, processes
+from keras_parallel.backends.jax.checkpoint_io import (
+    JaxCheckpointIO,
+    optimizer_and_metric_variables,
+)
 from keras_parallel.backends.jax.divided_input import DividedInput, adapter_replacements
 from keras_parallel.backends.jax.keras_compat import DATA_ADAPTERS
 from keras_parallel.backends.jax.keras_compat import (
@@ -33,6 +37,7 @@ class JaxExecutor(Executor):
     """Runs a plan with `jax.sharding.NamedSharding` (see module docstring)."""
 
     backend = "jax"
+    checkpoint_io_class = JaxCheckpointIO
 
     def __init__(self, distribution):
         super().__init__(distribution)
@@ -60,42 +65,6 @@ class JaxExecutor(Executor):
             f"{d.platform}:{d.id}" if isinstance(d, jax.Device) else str(d).lower()
             for d in devices
         ]
-
-    def host_value(self, value):
-        return processes.fetch(value)
-
-    @classmethod
-    def kept_value(cls, value):
-        # A jax.Array is never changed in place: holding it is enough, and a
-        # copy of a model larger than one device would not fit.
-        return value
-
-    restores_checkpoints = True
-
-    @classmethod
-    def restore_checkpoint(cls, model, path):
-        from keras_parallel.backends.jax import orbax
-
-        orbax.restore(model, path)
-
-    @contextlib.contextmanager
-    def saving(self, model):
-        # Keras's saving makes throwaway variables (a reference `Optimizer`
-        # to skip its attributes); made under the distribution, they would be
-        # placed across processes by a collective.
-        previous = keras.distribution.distribution()
-        keras.distribution.set_distribution(None)
-        try:
-            if processes.is_multi_process():
-                # Every process saves (process 0 alone writes): the values
-                # split across processes are gathered by all of them.
-                variables = model.variables + _optimizer_and_metric_variables(model)
-                with processes.gathered_for_saving(variables):
-                    yield
-            else:
-                yield
-        finally:
-            keras.distribution.set_distribution(previous)
 
     def device_processes(self):
         mesh = self.distribution.device_mesh.backend_mesh  # jax Devices
@@ -142,7 +111,7 @@ class JaxExecutor(Executor):
         self._model = weakref.ref(model)
         if processes.is_multi_process() and not self.is_chief:
             if self._undo_saving is None:
-                self._undo_saving = chief_only_saving(model, self.saving)
+                self._undo_saving = chief_only_saving(model, self.checkpoint_io.saving)
 
     @contextlib.contextmanager
     def planned_scope(self, model):
@@ -228,7 +197,7 @@ class JaxExecutor(Executor):
             self._undo_saving()
             self._undo_saving = None
         device = jax.devices()[0]
-        for variable in model.variables + _optimizer_and_metric_variables(model):
+        for variable in model.variables + optimizer_and_metric_variables(model):
             if getattr(variable, "_layout", None) is None:
                 continue
             variable._layout = None
@@ -337,9 +306,3 @@ def _wait_for_step(outputs):
         if isinstance(leaf, jax.Array):
             leaf.block_until_ready()
             return
-
-
-def _optimizer_and_metric_variables(model):
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(optimizer.variables) if optimizer is not None else []
-    return variables + list(getattr(model, "metrics_variables", []))

@@ -18,6 +18,7 @@ from keras.distribution import DataParallel
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.backends.torch.checkpoint_io import TorchCheckpointIO
 from keras_parallel.backends.torch.creation import placed_creation
 from keras_parallel.backends.torch.ddp_module import DDPModule, keras_ddp_off
 from keras_parallel.backends.torch.flat_buffers import broadcast_flat, on_group_device
@@ -27,8 +28,6 @@ from keras_parallel.backends.torch.steps import RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
-
-_SEED_STRIDE = 1_000_003  # Rank r's dropout seeds start r strides apart.
 
 # Done when Keras is imported (`keras_parallel/__init__.py`), unless this
 # backend's own import is what imported Keras: then here.
@@ -44,6 +43,7 @@ class TorchExecutor(Executor):
     """
 
     backend = "torch"
+    checkpoint_io_class = TorchCheckpointIO
 
     def __init__(self, distribution):
         super().__init__(distribution)
@@ -223,28 +223,9 @@ class TorchExecutor(Executor):
         object.__setattr__(model, "_kp_seeds_folded", True)
         for variable in model.non_trainable_variables:
             if "seed_generator_state" in variable.path:
-                state = self.rank_seed_state(variable.value.detach())
+                state = self.checkpoint_io.rank_seed_state(variable.value.detach())
                 with torch.no_grad():
                     variable.value.copy_(torch.as_tensor(state))
-
-    def rank_seed_state(self, state):
-        state = torch.as_tensor(state)
-        dtype = state.dtype
-        state = state.to(torch.int64).clone()
-        state[0] = (state[0] + self.process_index * _SEED_STRIDE) % 2**32
-        return state.to(dtype)
-
-    def host_random_state(self):
-        state = super().host_random_state()
-        # Keras's torch data loaders shuffle with torch's global generator.
-        state["torch"] = bytes(torch.get_rng_state().numpy())
-        return state
-
-    def set_host_random_state(self, state):
-        super().set_host_random_state(state)
-        torch.set_rng_state(
-            torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8)
-        )
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -336,16 +317,10 @@ class TorchExecutor(Executor):
             return batch[0] if isinstance(batch, (list, tuple)) else batch
         return None
 
-    # ------------------------------------------------ ModelParallel only
-    def host_value(self, value):
-        if self._mesh_runner is not None:
-            return self._mesh_runner.host_value(value)
-        return super().host_value(value)
-
-    def saving(self, model):
-        if self._mesh_runner is not None:
-            return self._mesh_runner.saving(model)
-        return super().saving(model)
+    @property
+    def holds_dtensors(self):
+        """Whether the model's variables are DTensors over a mesh (ModelParallel)."""
+        return self._mesh_runner is not None
 
     # ------------------------------------------------------- collectives
     @property

@@ -7,8 +7,6 @@ model's distributed life, gathers them to be read or saved; `scope_parts`
 installs the `MeshSteps`; `release` makes every variable plain again.
 """
 
-import contextlib
-
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.mesh_steps import MeshSteps
@@ -121,9 +119,13 @@ class MeshRunner:
             # own saving ends with the run), the variables are still split,
             # and a save is still a collective.
             if self.executor.is_chief:
-                self._undo_saving = gathered_saving(model, self.saving)
+                self._undo_saving = gathered_saving(
+                    model, self.executor.checkpoint_io.saving
+                )
             else:
-                self._undo_saving = chief_only_saving(model, self.saving)
+                self._undo_saving = chief_only_saving(
+                    model, self.executor.checkpoint_io.saving
+                )
         torch_group.on_teardown(self)
 
     def _make_usable(self, variable):
@@ -149,22 +151,6 @@ class MeshRunner:
         if not self.executor.is_chief:
             parts.append(ChiefOnlyCallbacks(collective_saving=True, model=model))
         return parts
-
-    @contextlib.contextmanager
-    def saving(self, model):
-        """Every rank gathers the split variables; Keras then reads them."""
-        variables = list(model.variables)
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None:
-            variables += list(optimizer.variables)
-        with dtensor_layouts.gathered(variables):
-            yield
-
-    def host_value(self, value):
-        """A variable's whole value as NumPy (a collective if it is split)."""
-        from keras import ops
-
-        return ops.convert_to_numpy(dtensor_layouts.whole_value(value))
 
     def release_steps(self):
         if self.steps is not None:
