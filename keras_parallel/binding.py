@@ -1,9 +1,7 @@
 """One distribution bound to one model: the machinery behind both doors.
 
 `DistributedModel` (at `compile`) and `ShardingCallback` (at `set_model`) each
-hold a `Binding` and call the same three methods: `prepare` (plan, validate,
-apply), `enter`/`exit` (what must be in force while Keras's trainer runs).
-Neither door holds logic the other lacks.
+hold a `Binding`, so neither door holds logic the other lacks.
 """
 
 import contextlib
@@ -34,14 +32,12 @@ class Binding:
         self.executor = executor_class()(distribution)
         self.executor.check(distribution)
         self.plan = None
-        #: Counts the plans applied; a compiled step made under an older
-        #: plan is made again.
+        #: Counts the plans applied: a step compiled under an older one is remade.
         self.version = 0
         self._signature = None
         self._depth = 0
         self._scope = None
-        #: The executor's `planned_scope`, entered while an entry point runs
-        #: and a plan is applied.
+        #: The executor's `planned_scope`, while an entry point runs under a plan.
         self._planned_scope = None
         self._announced = False
         self._hinted = False
@@ -69,10 +65,8 @@ class Binding:
         if signature == self._signature:
             return False
         plan = self.resolve(model)
-        # A plan applied while an entry point runs (the first `fit` of an
-        # unbuilt model builds it inside Keras's trainer) must be in force
-        # for the rest of that entry point: leave the older plan's scope,
-        # apply, and enter the new plan's.
+        # A plan applied mid-run (an unbuilt model's first `fit` builds it
+        # inside Keras's trainer) must be in force for the rest of the run.
         self._leave_planned_scope()
         self.executor.apply(model, plan)
         self.plan = plan
@@ -84,10 +78,8 @@ class Binding:
         return True
 
     def _hint_one_device(self):
-        # A distribution over one device trains exactly as plain Keras, so
-        # nothing else would tell the user that nothing is split. Printed
-        # whatever `verbose` says, once: the plan is printed only by a
-        # verbose `fit`.
+        # On one device nothing is split and nothing else says so: printed
+        # once whatever `verbose` says (only a verbose `fit` prints the plan).
         if self._hinted or not self.executor.is_chief:
             return
         hint = report.one_device_hint(self.plan, self.executor)
@@ -124,14 +116,10 @@ class Binding:
                 setattr(model, name, wrapped)
 
     def _planned_at_first_step(self, model, function, kind):
-        """`function`, planning the model before its first step if need be.
+        """`function`, building and planning an unbuilt model before its first step.
 
-        Keras's torch `predict` and `predict_on_batch` (and TensorFlow's
-        `predict_on_batch`) build an unbuilt model only inside its first
-        step, after the step function was made: nothing could be planned
-        before. The model is then built from the step's inputs
-        (symbolically, under the executor's scope) and planned before the
-        step runs, so even that step is distributed.
+        Keras builds it only inside that step of torch's `predict` and of
+        `predict_on_batch`.
         """
 
         def step(*args, **kwargs):
@@ -182,9 +170,8 @@ class Binding:
 
         Args:
             model: the model.
-            error: the exception the entry point is raising, if any. The
-                executor's scope then takes its failure path, which runs no
-                collective: the other processes may never reach one.
+            error: the exception the entry point raises, if any: the scope then
+                runs no collective, which the other processes may never reach.
         """
         if self._depth == 0:
             return

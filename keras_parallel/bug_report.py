@@ -1,10 +1,7 @@
 """`keras-parallel env`: what to put in a bug report.
 
-The versions of Python, keras_parallel, Keras and every backend library
-installed (read from the package metadata, so nothing is imported that the
-report does not need), each said to be in the tested range or not
-(`tested_versions`), the backend Keras would use, the cluster environment
-detected (`cluster_environments`), and the devices it sees.
+Versions are read from package metadata, so nothing is imported that the
+report does not need.
 """
 
 import importlib.metadata
@@ -33,7 +30,6 @@ def _version(name):
 
 
 def _devices():
-    # Importing keras starts the backend named by KERAS_BACKEND.
     try:
         from keras_parallel.backends import executor_class
 
@@ -45,9 +41,6 @@ def _devices():
 
 def report():
     """The bug-report text: versions, backend and devices, one per line.
-
-    Returns:
-        A string.
 
     Example:
 
@@ -64,8 +57,7 @@ def report():
         if version is not None:
             tested = tested_versions.tested_range(name, version)
             lines.append(f"{name}: {version}" + (f" ({tested})" if tested else ""))
-    # Read as Keras reads it, before `_devices` imports Keras: the backend a
-    # script gets, and where that comes from (KERAS_BACKEND, keras.json).
+    # Read before `_devices` imports Keras, as Keras would read it.
     backend, source = keras_config.configured_backend()
     lines.append(f"backend: {backend} (from {source})")
     environment = cluster_environments.describe_environment()

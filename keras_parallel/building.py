@@ -1,10 +1,7 @@
 """Building an unbuilt model from a batch of its inputs, symbolically.
 
-Keras builds some models only inside their first step (torch's `predict`,
-TensorFlow's `predict_on_batch` and, under a strategy, `predict`), after
-the step function was made: too late to plan them, and on TensorFlow inside
-a replica step, where no variable can be made. keras_parallel builds them
-first, from the batch's shapes; no value is computed.
+Keras builds some models only inside their first step: too late to plan them,
+and on TensorFlow inside a replica step, where no variable can be made.
 """
 
 
@@ -16,12 +13,8 @@ def is_built(model):
 
 
 def build_from_inputs(model, inputs):
-    """Builds `model` by calling it on symbolic tensors shaped like `inputs`.
-
-    Args:
-        model: a `keras.Model`; nothing happens if it is built.
-        inputs: a batch of the model's inputs (arrays or tensors, nested).
-    """
+    """Builds `model`, if unbuilt, by calling it on symbolic tensors shaped
+    like `inputs` (a nested batch of arrays or tensors); computes no value."""
     if is_built(model):
         return
     import keras

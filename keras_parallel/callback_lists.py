@@ -1,14 +1,8 @@
 """The one place keras_parallel sees each run's `CallbackList`.
 
-Keras makes a `CallbackList` at the start of every `fit`, `evaluate` and
-`predict`, and calls its `set_params` last, once every callback has the
-model. Both doors are entered by then (a `ShardingCallback` in its
-`set_model`, just before), so a handler added here sees every list made
-while an entry point runs, before any hook: it may remove callbacks (the
-writers of processes other than 0), read them (torch's per-step log
-policy) or append one of keras_parallel's own, last. `CallbackList.set_params`
-is the only attribute of the list replaced for this, and only while a
-handler is registered.
+Keras calls `CallbackList.set_params` once every callback has its model, after
+both doors are entered and before any hook: a handler added here gets each
+list then, to remove, read or append callbacks.
 """
 
 import weakref
@@ -27,23 +21,15 @@ def add_handler(handler, model=None):
     """Calls `handler(callback_list)` for each list Keras makes from now on.
 
     Args:
-        handler: a function of the finished `CallbackList` (its callbacks
-            have their model and params). Handlers run in the order they
-            were added.
-        model: a handler added while a run of `model` is under way (a plan
-            applied inside `fit`, when Keras makes the step function, after
-            the list and before its first hook) is also called, now, on
-            that run's list.
+        handler: a function of the finished `CallbackList`; handlers run in
+            the order added.
+        model: if a run of `model` is under way (a plan applied inside
+            `fit`), `handler` is also called now on that run's list.
 
     Returns:
         A function that removes the handler (safe to call twice).
-
-    Example:
-
-    >>> remove = add_handler(lambda callback_list: print(callback_list.callbacks))
-    >>> remove()
     """
-    entry = [handler]  # A list: each registration is its own, even of one handler.
+    entry = [handler]  # A list, so two registrations of one handler stay two.
     if not _handlers:
         _replacements.replace(CallbackList, "set_params", _set_params)
     _handlers.append(entry)
@@ -76,25 +62,16 @@ def _tracked(callback_list):
 
 
 def track_lists():
-    """Sees every list made until the returned function is called, so that
-    a handler added later in the run can be given the run's list.
-
-    Returns:
-        A function that stops it.
-    """
+    """Records every list made until the returned function is called, so that
+    a handler added later in the run can be given the run's list."""
     return add_handler(_tracked)
 
 
 def remove_callbacks(callback_list, kinds):
-    """Takes the callbacks of `kinds` out of `callback_list` for its run.
+    """Takes the callbacks of `kinds` (a class or tuple) out of `callback_list`.
 
-    The removed ones stay listed in `callback_list._kp_removed`, so that a
-    handler deciding from the whole list (one every process must decide
-    alike) still sees them.
-
-    Args:
-        callback_list: the run's `CallbackList`.
-        kinds: a class or a tuple of classes.
+    They stay in `callback_list._kp_removed` for handlers that must decide
+    from the whole list, alike on every process.
     """
     kept = [c for c in callback_list.callbacks if not isinstance(c, kinds)]
     removed = [c for c in callback_list.callbacks if isinstance(c, kinds)]
@@ -119,13 +96,8 @@ def append_callback(callback_list, callback):
 
 
 class PhaseCallback(Callback):
-    """keras_parallel's own callback: `on_begin(phase)` and `on_end(phase)`
-    as a `"train"`, `"test"` or `"predict"` run begins and ends.
-
-    Args:
-        on_begin: a function of the phase, or None.
-        on_end: a function of the phase, or None.
-    """
+    """Calls `on_begin(phase)` and `on_end(phase)` (functions or None) as a
+    `"train"`, `"test"` or `"predict"` run begins and ends."""
 
     async_safe = True  # No batch hook: Keras may dispatch the others async.
 

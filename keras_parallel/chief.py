@@ -1,15 +1,8 @@
 """Rank 0 alone prints and writes files; every rank decides the same.
 
-Every rank runs Keras's loop and its callbacks, with the same (global) logs,
-so `EarlyStopping` and `ReduceLROnPlateau` decide the same everywhere. What
-must happen once is taken out of each run's callback list on the other
-ranks (`callback_lists.py`): the progress bar and the callbacks that write
-files. A `BackupAndRestore` stays on every rank (each reads the backup;
-`persistence/backup.py` deletes it on rank 0 only).
-
-`model.save` / `save_weights` are made to write on rank 0 only, for the
-model's whole distributed life, so the usual `model.save(path)` after `fit`
-writes one file.
+Every rank runs Keras's callbacks on the same global logs, so `EarlyStopping`
+decides alike everywhere; the progress bar and file writers are taken out on
+the other ranks, and `model.save` after `fit` writes one file.
 """
 
 from keras import callbacks
@@ -31,12 +24,10 @@ class ChiefOnlyCallbacks:
     """Takes printing and file-writing callbacks out of non-chief ranks' runs.
 
     Args:
-        collective_saving: saving is a collective every rank must join (JAX
-            across processes gathers split variables): `ModelCheckpoint`
-            then runs on every rank, and `chief_only_saving` makes the
-            model's saves write on rank 0 only.
-        model: the model whose run may be under way when this is installed
-            (a plan applied inside `fit`): that run's list too.
+        collective_saving: saving is a collective every rank joins (JAX across
+            processes): `ModelCheckpoint` then runs on every rank.
+        model: the model whose run may be under way at `install` (a plan
+            applied inside `fit`): that run's list is edited too.
     """
 
     def __init__(self, collective_saving=False, model=None):
@@ -62,7 +53,6 @@ def chief_only_saving(model, saving=None):
     """Makes `model.save` and `save_weights` write nothing on this (non-chief) rank.
 
     Args:
-        model: the Keras model of a non-chief rank.
         saving: the executor's `saving(model)`, entered instead of writing
             where saving is a collective (JAX across processes).
 

@@ -1,10 +1,8 @@
 """Joining a cluster's other processes once Keras is imported (JAX, TensorFlow).
 
-`keras_parallel/__init__.py` runs `join` once Keras is imported
-(`keras_config.after_keras_import`). It runs inside someone else's `import
-keras`, so it stays cheap where no cluster is wanted (read from the variables
-alone) and loud where a join fails (`ClusterJoinError`, raised again at the
-next import). The rules are in docs/design.md.
+`join` runs inside the user's `import keras`: cheap where no cluster is wanted,
+loud where a join fails (`ClusterJoinError`, raised again at each later
+import). The rules are in docs/design.md.
 """
 
 import os
@@ -56,8 +54,7 @@ def may_join(environ=None):
 
     Returns:
         False where `KERAS_PARALLEL_CLUSTER=off`, in a `multiprocessing`
-        child, and where `KERAS_PARALLEL_JOINED_PID` names another process
-        (a subprocess of one that joined).
+        child, and where `KERAS_PARALLEL_JOINED_PID` names another process.
 
     Raises:
         ClusterEnvironmentError: `KERAS_PARALLEL_CLUSTER` is neither `off`
@@ -75,7 +72,7 @@ def may_join(environ=None):
 
 
 def _mark_joined():
-    # In the environment, so that every child started from now on inherits it.
+    # In the environment, so that every child started from now inherits it.
     os.environ[JOINED_PID_VAR] = str(os.getpid())
 
 
@@ -84,8 +81,7 @@ def _nothing():
 
 
 def _join_jax():
-    # `runtime` imports no other module of the backend: safe even while one
-    # of them, importing Keras, is half made.
+    # `runtime` imports nothing else of the backend, which may be half made.
     from keras_parallel.backends.jax import runtime
 
     arguments = runtime.cluster_arguments()
@@ -102,8 +98,8 @@ def _join_tensorflow():
 
     if not tf_config.wanted():
         return None
-    # Only now: it imports TensorFlow's strategies and checks Keras's
-    # internals (an `UnsupportedKerasError` is this join's error then).
+    # Imported late: it imports TensorFlow and checks Keras's internals (an
+    # `UnsupportedKerasError` is then this join's error).
     from keras_parallel.backends.tensorflow import workers
 
     _mark_joined()
@@ -132,17 +128,10 @@ def _join_error(error):
 def install_excepthook(rank, world_size):
     """Makes an uncaught exception end this process at once, naming its rank.
 
-    Chains the `sys.excepthook` in place (which prints the traceback), then
-    exits with code 1 without running `atexit`: JAX's `atexit` shuts
-    `jax.distributed` down at a barrier of every process, where the others
-    never arrive while they wait for this one in a collective (5 minutes,
-    JAX's shutdown timeout). Exiting closes this process's connections, so
-    the others' collectives fail within seconds and they exit the same way.
-    Installed once.
-
-    Args:
-        rank: this process's rank, for the message.
-        world_size: how many processes joined.
+    Prints the traceback, then exits with code 1 without `atexit`: JAX's
+    `atexit` waits at a barrier for the others, which wait for this process in
+    a collective (5 minutes, JAX's shutdown timeout). Once it exits, their
+    collectives fail within seconds. Installed once.
     """
     if getattr(sys.excepthook, "_keras_parallel_rank", None) is not None:
         return

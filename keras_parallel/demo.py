@@ -1,10 +1,8 @@
 """`keras-parallel demo`: the Keras guide's convnet, trained on every device.
 
-Trains the convnet of the Keras guide "Multi-GPU distributed training with
-JAX" on scikit-learn's digits (1,797 8x8 images, upsampled to 28x28: a real
-data set that needs no network) with plain `model.fit` under
-`keras_parallel.DataParallel()`, then prints the sharding plan and the test
-accuracy. The same functions serve the tests and benchmarks.
+The convnet of the guide "Multi-GPU distributed training with JAX", trained
+with `DataParallel()` on scikit-learn's digits (real data, no network needed).
+The tests and benchmarks use the same functions.
 """
 
 import os
@@ -13,22 +11,11 @@ import numpy as np
 
 
 def get_model(model_class=None, name="convnet"):
-    """The Keras guide's convnet (Conv2D, BatchNorm, Dropout), 28x28x1 in.
+    """The Keras guide's convnet, a functional model: 28x28x1 in, 10 logits out.
 
     Args:
-        model_class: the class to build it with; defaults to `keras.Model`.
-            Pass a `DistributedModel` subclass to compile it with a
-            distribution.
-        name: the model's name.
-
-    Returns:
-        A functional model with 10 logits out.
-
-    Example:
-
-    >>> model = get_model()
-    >>> model.output.shape
-    (None, 10)
+        model_class: the class to build it with (default `keras.Model`), e.g.
+            a `DistributedModel` subclass.
     """
     import keras
 
@@ -56,18 +43,14 @@ def get_model(model_class=None, name="convnet"):
 
 
 def load_digits_28(test_fraction=0.25, seed=0):
-    """scikit-learn's digits as 28x28x1 float32 images in [0, 255].
-
-    The 8x8 images (values 0..16) are scaled to 0..255 and upsampled
-    bilinearly to the MNIST shape the guide's convnet expects.
+    """scikit-learn's 8x8 digits upsampled to 28x28x1 float32 images in [0, 255].
 
     Args:
         test_fraction: the share of samples held out for testing.
         seed: the seed of the train/test shuffle.
 
     Returns:
-        `((x_train, y_train), (x_test, y_test))`, NumPy arrays; labels are
-        int32 class ids.
+        `((x_train, y_train), (x_test, y_test))`; labels are int32 class ids.
     """
     from sklearn.datasets import load_digits
 
@@ -98,16 +81,9 @@ def _upsample(images, size):
 
 
 def run(epochs=30, batch_size=32, seed=1, verbose=2):
-    """Trains the convnet on digits under `DataParallel()` and reports.
+    """Trains the convnet on digits under `DataParallel()`; returns test accuracy.
 
-    Args:
-        epochs: training epochs.
-        batch_size: the global batch size.
-        seed: `keras.utils.set_random_seed` seed.
-        verbose: `fit`'s verbosity.
-
-    Returns:
-        The test accuracy, a float.
+    `batch_size` is the global batch size; `verbose` is `fit`'s.
     """
     import keras
 

@@ -1,7 +1,7 @@
 """The exceptions and warnings keras_parallel raises.
 
-Every error says what was wrong, what was received, and what to do instead,
-and is raised before anything is applied, so the model stays as it was.
+Each error says what was wrong, what was received and what to do, and comes
+before anything is applied.
 """
 
 
@@ -20,19 +20,15 @@ class UnmatchedLayoutKeyWarning(UserWarning):
 class UnsupportedKerasError(ImportError):
     """The installed Keras lacks an internal keras_parallel relies on.
 
-    Raised when a backend's executor is first imported, naming the Keras
-    version found, the internal it lacks and the supported range; see
-    `keras_parallel.keras_compat`.
+    Raised at import, naming the version found and the internal (`keras_compat`).
     """
 
 
 class ClusterJoinError(RuntimeError):
     """keras_parallel could not join a cluster's processes when Keras was imported.
 
-    Raised by the import of Keras (`keras_parallel.cluster_join`), the
-    original error as its `__cause__`; its message offers
-    `KERAS_PARALLEL_CLUSTER=off`. Raised again at each later import of
-    Keras in the process: a failed join is not retried.
+    Raised by `import keras` (`cluster_join`), the original error as its
+    `__cause__`, and again at each later import: a failed join is not retried.
     """
 
 

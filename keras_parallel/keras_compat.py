@@ -1,10 +1,8 @@
 """The Keras internals keras_parallel relies on, and the Keras versions it runs on.
 
-keras_parallel reuses Keras's trainer, so it reads and patches private names of
-Keras (`keras.src...`) that move between releases. This module lists the shared
-ones, `backends/<name>/keras_compat.py` each backend's, and the other modules
-import Keras internals from these lists only; a Keras that lacks one fails at
-import with `UnsupportedKerasError`.
+keras_parallel reuses Keras's trainer, so it uses private Keras names that move
+between releases. Other modules get them only from here or from
+`backends/<name>/keras_compat.py`; a Keras lacking one fails at import.
 """
 
 import importlib
@@ -50,14 +48,8 @@ def internal(module_name, *names):
 
 
 def require_keras(minimum):
-    """Refuses a Keras older than `minimum`, e.g. `(3, 15)`.
-
-    For a requirement no single internal shows. A development build
-    (`3.16.0.dev...`) counts as its release.
-
-    Raises:
-        UnsupportedKerasError: naming the version found and the range.
-    """
+    """Refuses a Keras older than `minimum`, e.g. `(3, 15)`, with
+    `UnsupportedKerasError`; a development build counts as its release."""
     found = tuple(int(p) for p in keras_version().split(".")[:2])
     if found < tuple(minimum):
         raise _unsupported(f"Keras >= {'.'.join(map(str, minimum))}")
@@ -103,32 +95,26 @@ def _unsupported(what):
     )
 
 
-# The floor is checked here, as no one internal shows it. Older Keras fails in
-# Keras itself (found by running the suite): up to 3.14, JAX `train_on_batch`
-# under any distribution fails on `sample_weight=None` (`_distribute_data`
-# maps over the `None`), and `DataParallel` cannot be made on TensorFlow (it
-# calls a `num_processes` Keras's TensorFlow distribution_lib lacks); 3.11's
-# JAX trainer records the variables' shardings before they are laid out.
+# No one internal shows the floor. Up to 3.14, JAX `train_on_batch` under a
+# distribution fails on `sample_weight=None`, and TensorFlow's `DataParallel`
+# calls a `num_processes` its distribution_lib lacks; 3.11's JAX trainer
+# records the variables' shardings before they are laid out.
 require_keras(MINIMUM_KERAS)
 
-#: The base class of every distribution (`keras.distribution` exports its
-#: subclasses only).
+#: The base of every distribution (`keras.distribution` exports only subclasses).
 Distribution = internal(
     "keras.src.distribution.distribution_lib", "Distribution"
 ).Distribution
 #: Keras's progress printing (respects `keras.config.disable_interactive_logging`).
 print_msg = internal("keras.src.utils.io_utils", "print_msg").print_msg
 
-#: Runs a function on symbolic tensors, computing no value: one pass over a
-#: model records the order its layers are called in (`logical_axes`).
+#: Runs a function on symbolic tensors: the layers' call order (`logical_axes`).
 compute_output_spec = internal(
     "keras.src.backend", "compute_output_spec"
 ).compute_output_spec
 
-#: Keras's global state: its name scope stack, whose innermost scope's
-#: `caller` is the layer making a variable (`Layer.add_weight` makes each
-#: in its layer's scope; `ModelParallel(rules=...)` places a variable made
-#: in its `scope()` by that layer, `distribution.py`).
+#: Keras's global state: its innermost name scope's `caller` is the layer
+#: making a variable (`ModelParallel(rules=...)`, `distribution.py`).
 global_state = internal("keras.src.backend.common.global_state", "get_global_attribute")
 
 
@@ -145,25 +131,20 @@ def _keras_layer():
     return keras.layers.Layer
 
 
-#: Writes a class's `module`, `class_name` and `registered_name` into a
-#: saved config; wrapped while `DistributedModel.save` runs (`persistence/saving.py`).
+#: Names a class in a saved config; wrapped by `DistributedModel.save`.
 serialization_lib = internal(
     "keras.src.saving.serialization_lib", "serialize_with_public_class"
 )
-#: Keras's functional model class: a functional DistributedModel is saved
-#: as one, so that plain Keras can load it (`persistence/saving.py`).
+#: A functional DistributedModel is saved as one, for plain Keras to load.
 Functional = internal("keras.src.models.functional", "Functional").Functional
 
-#: Keras's epoch iterator (every backend's subclasses it): its data adapter
-#: (keras-nightly, 3.16) shuffles arrays by the number of epochs it has run
-#: in this `fit` (`_epoch`), which a resumed run sets to the epoch it
-#: resumes at (`persistence/backup.py`).
+#: Keras's epoch iterator: its data adapter (3.16) seeds shuffles by `_epoch`,
+#: which a resumed run sets (`persistence/backup.py`).
 EpochIterator = internal(
     "keras.src.trainers.epoch_iterator", "EpochIterator"
 ).EpochIterator
 
-#: What keras_parallel replaces on every backend, while an entry point runs
-#: (or while a model is saved), through `keras_parallel.replacements`.
+#: What keras_parallel replaces on every backend (`replacements`).
 REPLACED = (
     Target(
         "keras.src.callbacks.backup_and_restore.BackupAndRestore",
@@ -210,9 +191,7 @@ OBJECT_ATTRIBUTES = {
     "keras.Model": ("_flatten_layers",),
     # The LayoutMap of a ModelParallel (plan, executors' checks, saving).
     "keras.distribution.ModelParallel": ("_layout_map",),
-    # The exact backup (`persistence/backup.py`) reads and sets Keras's own
-    # bookkeeping of where a run is; a preemption saves through it
-    # (`persistence/preemption.py`).
+    # Keras's record of where a run is, read and set by the exact backup.
     "keras.callbacks.BackupAndRestore": (
         "_training_metadata_path",
         "_prev_training_metadata_path",
@@ -230,12 +209,9 @@ OBJECT_ATTRIBUTES = {
 #: Attributes of Keras objects that only exist in some versions or states,
 #: read with a default where missing; listed, not checked on objects.
 UNCHECKED_ATTRIBUTES = {
-    # Keras 3.16's data adapters: the epoch a shuffle is seeded by, and the
-    # processes a PyDataset's batches are split between (`input/kinds.py`;
-    # `persistence/backup.py` sets `_epoch` when a run resumes).
+    # Keras 3.16: a shuffle's epoch (set on resume), a PyDataset's processes.
     "data adapters (Keras 3.16)": ("_epoch", "_num_data_shards"),
-    # Set by Keras's BackupAndRestore on a resumed run, read by `fit`: the
-    # exact backup sets it where Keras's would (`persistence/backup.py`).
+    # Set on a resumed run, read by `fit`: the exact backup sets it as Keras's.
     "keras.Model (resumed)": ("_initial_epoch",),
 }
 

@@ -1,10 +1,8 @@
 """The backend Keras will use, read as Keras reads it, without importing Keras.
 
 `keras-parallel launch` must not import Keras: that starts a backend, and JAX's
-runtime must start in the launched processes, not in the launcher. So
-`KERAS_BACKEND`, `keras.json` and Keras's default are read in Keras's order
-(`keras/src/backend/config.py`, 3.15); unlike Keras, no `keras.json` is
-written. `after_keras_import` runs a function once Keras is imported.
+runtime must start in the launched processes. Read in Keras 3.15's order
+(`keras/src/backend/config.py`), but no `keras.json` is written.
 """
 
 import importlib.abc
@@ -18,11 +16,7 @@ DEFAULT_BACKEND = "tensorflow"
 
 
 def config_path():
-    """The `keras.json` Keras reads (it may not exist).
-
-    Returns:
-        The path, as Keras builds it.
-    """
+    """The path of the `keras.json` Keras reads (it may not exist)."""
     if "KERAS_HOME" in os.environ:
         directory = os.environ["KERAS_HOME"]
     else:
@@ -37,9 +31,8 @@ def configured_backend():
     """The backend Keras will use in a process started with this environment.
 
     Returns:
-        `(backend, source)`: the backend name as Keras will read it (not
-        checked), and where it comes from, for messages: `"KERAS_BACKEND"`,
-        the `keras.json` path, or Keras's default.
+        `(backend, source)`: the backend name (not checked), and where it comes
+        from: `"KERAS_BACKEND"`, the `keras.json` path, or Keras's default.
     """
     backend = os.environ.get("KERAS_BACKEND")
     if backend:
@@ -51,8 +44,7 @@ def configured_backend():
             with open(path) as f:
                 config = json.load(f)
         except (OSError, ValueError):
-            # Keras counts a file that is not JSON as empty; one it cannot
-            # open fails Keras's own import, which says why.
+            # As Keras: not JSON counts as empty (unreadable fails its import).
             config = {}
     if isinstance(config, dict) and "backend" in config:
         return config["backend"], path
@@ -62,17 +54,9 @@ def configured_backend():
 def after_keras_import(callback):
     """Runs `callback()` once Keras is imported: now if it is, else then.
 
-    For what must be in place before the user's first Keras call, which may
-    come before any keras_parallel code that imports Keras (under
-    `keras-parallel launch`, the launcher imports keras_parallel before the
-    script). Until Keras is imported, a finder on `sys.meta_path` waits for
-    its top-level package, and removes itself once Keras has run; it
-    imports nothing. A callback that raises fails that import of Keras, and
-    is run again at the next one.
-
-    Args:
-        callback: a function of no argument, run after Keras's package has
-            been imported whole.
+    For what must precede the user's first Keras call. Until then a finder on
+    `sys.meta_path` waits for Keras, importing nothing. A callback that raises
+    fails that import of Keras, and runs again at the next.
     """
     keras = sys.modules.get("keras")
     if keras is not None and hasattr(keras, "backend"):
@@ -102,17 +86,15 @@ class _AfterKerasImport(importlib.abc.MetaPathFinder):
         return spec
 
     def loaded(self):
-        # Removed only now: a `find_spec("keras")` that imports nothing
-        # (a version check) must not end the wait.
+        # Only now: a `find_spec("keras")` alone (a version check) must not
+        # end the wait.
         if self in sys.meta_path:
             sys.meta_path.remove(self)
         try:
             self.callback()
         except BaseException:
-            # The callback's error fails Keras's import, and Python removes
-            # `keras` from `sys.modules`: the next `import keras` loads it
-            # again, and must run the callback again (and fail again) rather
-            # than succeed without it.
+            # Keras's import fails and `keras` leaves `sys.modules`: the next
+            # import must run the callback again, not succeed without it.
             sys.meta_path.insert(0, self)
             raise
 

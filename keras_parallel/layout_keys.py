@@ -1,10 +1,8 @@
-"""Matching `LayoutMap` keys to variables and layer outputs.
+"""Matching `LayoutMap` keys to variables and layer outputs, as Keras does.
 
-Keras's rules where Keras has one: a variable key is a regex matched in full
-against `variable.path`, an exact key winning; an output key (`.../output`)
-also finds a nested layer by a path suffix; optimizer slots follow their
-variable. A variable two keys match, or a suffix of two layers' paths, is an
-error; a key that matches nothing warns (docs/jax.md).
+A variable key is a regex matched in full against `variable.path`, an exact key
+winning; an output key (`.../output`) also finds a nested layer by path suffix;
+optimizer slots follow their variable (docs/jax.md).
 """
 
 import difflib

@@ -1,11 +1,8 @@
 """Rules that place logical axes on mesh axes: an ordered list, first fit wins.
 
-A rule `("mlp", "model")` splits every dimension whose logical axis is
-`"mlp"` (`keras_parallel.logical_axes`) over the mesh axis `"model"`. For
-each dimension the rules naming its logical axis are tried in order; one
-fits when its mesh axis divides the dimension and no other dimension of the
-variable already uses it. A dimension no rule fits stays whole, and the plan
-says why (`describe`). MaxText's logical axis rules have this shape.
+A rule `("mlp", "model")` splits a dimension of logical axis `"mlp"` over mesh
+axis `"model"` where that axis divides it and no other dimension of the
+variable uses it; a dimension no rule fits stays whole (as in MaxText).
 """
 
 import warnings
@@ -19,20 +16,10 @@ AUTO = "auto"
 def auto_rules(axis_names, batch_axis):
     """The default rules of a mesh: one model axis besides the batch axis.
 
-    The vocabulary, the MLP's hidden features and the attention heads are
-    split over the model axis; key/value heads too where the axis divides
-    them, else they stay whole (grouped-query attention with fewer key/value
-    heads than devices: each device then computes every key/value head, and
-    the step needs no more communication than with them split; splitting
-    their head dimension instead would all-reduce every attention score).
-    `embed` stays whole: `shard="full"` splits it over the batch axis.
-
-    Args:
-        axis_names: the mesh's axis names.
-        batch_axis: the axis the batch is split along.
-
-    Returns:
-        The rules, a tuple of `(logical axis, mesh axis)` pairs.
+    Vocabulary, MLP features and attention heads split over the model axis;
+    key/value heads too where it divides them, else they stay whole (each
+    device computes every one, at no more communication; splitting their head
+    dimension would all-reduce every attention score). `embed` stays whole.
 
     Raises:
         ShardingError: the mesh has no axis, or several, besides the batch.
@@ -56,17 +43,8 @@ def auto_rules(axis_names, batch_axis):
 
 
 def check_rules(rules):
-    """Refuses rules that are not `(logical axis, mesh axis or None)` pairs.
-
-    Args:
-        rules: `"auto"`, or a list of pairs.
-
-    Returns:
-        `"auto"`, or the rules as a tuple of pairs.
-
-    Raises:
-        ShardingError: naming the rule and the fix.
-    """
+    """Refuses rules that are not `"auto"` or `(logical axis, mesh axis or None)`
+    pairs (`ShardingError`); returns `"auto"` or the pairs as a tuple."""
     if isinstance(rules, str):
         if rules != AUTO:
             raise ShardingError(
@@ -126,15 +104,12 @@ def place(logical, shape, rules, sizes):
 
     Args:
         logical: the variable's `LogicalAxes`, or `None` (unknown layer).
-        shape: the variable's shape.
-        rules: the resolved rules.
         sizes: `{mesh axis: size}`.
 
     Returns:
-        `(axes, note, misfits)`: one mesh axis (or `None`) per dimension,
-        the note for the plan's key column, and the `(logical axis, mesh
-        axis, dimension)` of each rule that named a dimension but did not
-        divide it.
+        `(axes, note, misfits)`: one mesh axis (or `None`) per dimension, the
+        note for the plan's key column, and `(logical axis, mesh axis,
+        dimension)` for each rule that named a dimension it does not divide.
     """
     if logical is None:
         return (None,) * len(shape), "(no logical axes)", []
@@ -170,11 +145,7 @@ def warn_unused(
     Args:
         rules: the user's rules (`None` for `"auto"`'s, which name axes a
             model may lack, such as `vocab` in an MLP).
-        used_rules: the `(logical axis, mesh axis)` rules that split a variable.
-        model: the model planned (named in the message).
-        axis_names: the mesh's axis names.
-        batch_axis: the batch axis.
-        sizes: `{mesh axis: size}`.
+        used_rules: the rules that split a variable.
         misfits: `{variable path: [(logical axis, mesh axis, dimension)]}`.
         split_axes: the mesh axes any variable is split over (by a rule or
             a `LayoutMap` key).
@@ -209,15 +180,7 @@ def warn_unused(
 
 
 class RulePlacement:
-    """The rules placing one model's variables, for `plan.resolve_plan`.
-
-    Args:
-        distribution: the distribution (its `rules`).
-        model: the built model.
-        rules: the resolved rules.
-        batch_axis: the batch axis.
-        sizes: `{mesh axis: size}`.
-    """
+    """The rules placing one model's variables, for `plan.resolve_plan`."""
 
     def __init__(self, distribution, model, rules, batch_axis, sizes):
         self.model = model

@@ -1,13 +1,9 @@
 """Each variable's logical axes: what its dimensions mean, from its layer.
 
-A logical axis names a dimension's role (`"embed"`, `"mlp"`, `"heads"`,
-`"vocab"`), not where it lives; `layout_rules` maps them to mesh axes, as
-MaxText's logical axis rules do. Dense-like layers are paired as Megatron
-pairs them: the first of a pair (split by output features, `("embed",
-"mlp")`) feeds the second (split by input features, `("mlp", "embed")`), so
-a block needs one all-reduce, not two. The pairs are read from the order in
-which one symbolic forward pass calls the layers (no value is computed), and
-layers called on the same input (a gate and an up projection) are siblings.
+A logical axis names a dimension's role (`"embed"`, `"mlp"`), which
+`layout_rules` maps to mesh axes. Dense-like layers are paired as in Megatron
+(column then row: one all-reduce a block) in the order a symbolic forward pass
+calls them; layers called on one input (gate and up) are siblings.
 """
 
 import dataclasses
@@ -57,19 +53,11 @@ class LogicalAxes:
 
 
 def of_model(model):
-    """The logical axes of every model variable whose layer is known.
-
-    Args:
-        model: a built `keras.Model`.
+    """The logical axes of every variable of a built model whose layer is known.
 
     Returns:
-        `{variable path: LogicalAxes}`; a variable of a layer this module
-        does not know is absent (and stays whole).
-
-    Example:
-
-    >>> of_model(model)["dense/kernel"]
-    LogicalAxes(names=('embed', 'mlp'), role='column of a pair')
+        `{variable path: LogicalAxes}`; a variable of an unknown layer is absent
+        (and stays whole).
     """
     owned = _variables_by_layer(model)
     kernels = {
@@ -91,8 +79,8 @@ def of_model(model):
                 found = _static_axes(layer, name, shape)
             if found is not None:
                 axes.setdefault(variable.path, []).append(LogicalAxes(*found))
-    # Two variables of one path (two layers of one name in a subclassed
-    # model) cannot be told apart by the plan: both stay whole.
+    # Two variables of one path (a subclassed model's layers of one name)
+    # cannot be told apart by the plan: both stay whole.
     return {path: found[0] for path, found in axes.items() if len(found) == 1}
 
 
@@ -207,11 +195,9 @@ def _static_axes(layer, name, shape):
 class Pairs:
     """Megatron's pairs, decided one dense-like layer at a time, in call order.
 
-    A layer is the second of a pair (`"row"`) when it takes the output
-    features of the pair's open first layers and is not their sibling
-    (called on the same tensor); else it opens or joins a pair's first
-    layers (`"column"`). A layer with weights that mixes features (a
-    normalization over them, attention, an embedding) closes the open pair.
+    A layer taking the open pair's output features, and not a sibling of its
+    first layers, is its second (`"row"`); else it opens or joins a pair's
+    first layers (`"column"`). A weighted layer mixing features closes the pair.
     """
 
     def __init__(self):
@@ -223,16 +209,12 @@ class Pairs:
         self._columns = []
 
     def role(self, layer, features_in, features_out, inputs=None):
-        """The layer's role, decided at its first call.
+        """The layer's role, `"column"` or `"row"`, decided at its first call.
 
         Args:
-            layer: the layer.
-            features_in: its input features (the kernel's second last size).
-            features_out: its output features (the kernel's last size).
+            features_in: the kernel's second last size.
+            features_out: the kernel's last size.
             inputs: the tensor it was called on, or `None` when unknown.
-
-        Returns:
-            `"column"` or `"row"`.
         """
         if id(layer) in self.roles:
             return self.roles[id(layer)]
@@ -251,13 +233,8 @@ class Pairs:
 
 
 def _pair(model, layers, kernels):
-    """`{id(layer): "column" or "row"}` for the dense-like layers, in pairs.
-
-    Args:
-        model: the model.
-        layers: every layer that holds variables.
-        kernels: `{id(layer): kernel shape}` of the dense-like ones.
-    """
+    """`{id(layer): "column" or "row"}` for the layers of `kernels`
+    (`{id(layer): kernel shape}`), among `layers` (those holding variables)."""
     pairable = [layer for layer in layers if id(layer) in kernels]
     if not pairable:
         return {}
@@ -278,28 +255,18 @@ def _pair(model, layers, kernels):
         if id(layer) in kernels:
             pairs.role(layer, *kernels[id(layer)][-2:], inputs=inputs)
         elif not isinstance(layer, keras.layers.BatchNormalization):
-            # BatchNormalization normalizes each feature on its own: a pair
-            # (of convolutions) stays open across it.
+            # It normalizes each feature alone: a pair of convolutions stays open.
             pairs.close()
     return {id(layer): pairs.roles.get(id(layer), "column") for layer in pairable}
 
 
 def of_new_variable(layer, variable, pairs):
-    """The logical axes of a variable `layer` is making, or `None`.
+    """The `LogicalAxes` of a variable `layer` is making, or `None`.
 
-    For a model built inside a distribution's scope, before the model around
-    the layer exists: layers are built in the order they are first called,
-    but what they are called on is not known yet, so a layer called on the
-    same input as one of the same sizes is taken for the second of a pair
-    (the plan, which traces the model, moves what it places otherwise).
-
-    Args:
-        layer: the layer making the variable.
-        variable: the variable (its `name` and `shape`).
-        pairs: the `Pairs` of the layers made before, in this scope.
-
-    Returns:
-        A `LogicalAxes`, or `None`.
+    For a model built in a distribution's scope: layers are built in call order
+    but their inputs are unknown, so a sibling of matching sizes is taken for a
+    pair's second (the plan, which traces the model, moves what it places
+    otherwise). `pairs` holds the layers made before in this scope.
     """
     shape = tuple(variable.shape)
     if _is_pairable(layer):
@@ -339,10 +306,8 @@ def _with_known_sizes(inputs):
 
 
 def _call_order(model, layers):
-    """`[(layer, its input)]` in the order a symbolic pass calls them.
-
-    Returns `None` when the model has no symbolic inputs or cannot be traced.
-    """
+    """`[(layer, its input)]` in the order a symbolic pass calls them, or
+    `None` where the model has no symbolic inputs or cannot be traced."""
     from keras_parallel.keras_compat import compute_output_spec
 
     inputs = _symbolic_inputs(model)
@@ -364,17 +329,15 @@ def _call_order(model, layers):
             had_own = "call" in vars(layer)
             wrapped.append((layer, had_own, vars(layer).get("call")))
             object.__setattr__(layer, "call", recorder(layer, layer.call))
-        # Unknown sizes as 1 first: torch traces a size it does not know
-        # twice, eagerly on its device where the "meta" device fails, at 83
-        # and 89 (a whole forward pass of a batch of 83), and JAX cannot
-        # compare a symbolic sequence length with a position table's size
-        # (GPT-2). Then as they are (a convolution that size 1 is too
-        # small for).
+        # Unknown sizes as 1 first: torch traces an unknown size eagerly
+        # where "meta" fails, at 83 and 89 (a whole forward pass of a batch
+        # of 83), and JAX cannot compare a symbolic length with a position
+        # table's size (GPT-2). Then as they are (for a convolution that
+        # size 1 is too small for).
         for sized in (_with_known_sizes(inputs), inputs):
             calls.clear()
             try:
-                # The model's own warnings about a trace of size-1 inputs
-                # (a softmax over one position) are not the user's.
+                # The model's warnings about size-1 inputs are not the user's.
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     compute_output_spec(model.call, sized)

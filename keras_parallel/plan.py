@@ -1,10 +1,8 @@
 """The sharding plan: where every variable and constrained output lives.
 
-`resolve_plan` turns a `keras.distribution.Distribution` and a built model into
-a `ShardingPlan`: plain data, the same on every backend. All validation lives
-here, so every executor refuses the same bad input with the same words, before
-anything is moved. Nothing here touches a device or imports a backend: the
-executor hands in the device names.
+`resolve_plan` turns a distribution and a built model into a `ShardingPlan`,
+plain data the same on every backend. All validation lives here, so every
+executor refuses bad input alike, before anything moves; no device is touched.
 """
 
 import dataclasses
@@ -21,17 +19,12 @@ class VariableLayout:
     """One variable's place in the plan.
 
     Attributes:
-        path: the variable's `path` (e.g. `"dense/kernel"`).
         kind: `"model"`, `"optimizer"` or `"metric"`.
-        shape: the variable's shape.
-        dtype: the variable's dtype name.
         axes: one mesh axis name (or `None`) per dimension.
         key: the `LayoutMap` key that chose `axes`, or a note saying why
             none did (`"(replicated)"`, `"(follows dense/kernel)"`).
-        bytes_total: the size of the whole variable.
         bytes_per_device: the size of the shard one device holds.
-        logical: the logical axes rules placed it by
-            (`keras_parallel.logical_axes`), or `None`.
+        logical: the logical axes rules placed it by, or `None`.
     """
 
     path: str
@@ -52,7 +45,6 @@ class OutputLayout:
     Attributes:
         key: the `LayoutMap` key as the user wrote it.
         path: the full output path it resolved to (`"net/block/d2/output"`).
-        axes: one mesh axis name (or `None`) per output dimension.
     """
 
     key: str
@@ -65,17 +57,12 @@ class ShardingPlan:
     """Where everything lives, for one distribution and one model.
 
     Attributes:
-        mesh_shape: the device mesh's shape.
-        axis_names: the mesh's axis names.
         devices: the device names of the mesh, flattened in mesh order.
-        batch_axis: the mesh axis the batch is split along.
         variables: one `VariableLayout` per model, optimizer and metric
             variable, in that order.
-        outputs: one `OutputLayout` per constrained layer output.
-        output_keys: the `LayoutMap` output keys with their axes, used to
-            resolve an output path met only at call time.
-        shard: what is split over the batch axis besides the batch: `None`,
-            `"full"` or `"optimizer"` (`keras_parallel.sharding`).
+        output_keys: the `LayoutMap` output keys with their axes, for an
+            output path met only at call time.
+        shard: `None`, `"full"` or `"optimizer"` (`keras_parallel.sharding`).
     """
 
     mesh_shape: tuple
@@ -114,9 +101,8 @@ class ShardingPlan:
     def output_axes(self, path):
         """The axes a layer output at `path` is constrained to, or `None`.
 
-        Paths met at call time that the plan did not list (a layer called
-        under another name scope) are resolved against the keys, as the
-        `LayoutMap` would.
+        A path the plan did not list (a layer called under another name
+        scope) is resolved against the keys, as the `LayoutMap` would.
         """
         for output in self.outputs:
             if output.path == path:
@@ -128,11 +114,7 @@ class ShardingPlan:
 
 
 def check_distribution(distribution, argument="distribution"):
-    """Refuses anything but a `keras.distribution.Distribution`.
-
-    Raises:
-        ShardingError: naming the argument and what it received.
-    """
+    """Refuses anything but a `keras.distribution.Distribution` (`ShardingError`)."""
     from keras_parallel.keras_compat import Distribution
 
     if not isinstance(distribution, Distribution):
@@ -149,10 +131,8 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
     """Resolves and validates the sharding plan of a model.
 
     Args:
-        distribution: a `keras.distribution.Distribution` (`DataParallel`,
-            `ModelParallel`, or a subclass of `Distribution`).
-        model: a built `keras.Model`. Its optimizer and metric variables are
-            planned too when they exist.
+        distribution: a `keras.distribution.Distribution`.
+        model: a built `keras.Model`; its optimizer and metric variables too.
         device_names: the mesh's devices as strings (`"cpu:0"`), in mesh
             order. Defaults to `str()` of each mesh device.
         available_devices: the device names the backend can use. When given,
@@ -373,14 +353,7 @@ def _numpy_dtype(dtype):
 
 
 def iter_planned_variables(model, plan):
-    """Pairs each variable of `model` with its `VariableLayout` in `plan`.
-
-    Args:
-        model: the model the plan was resolved for.
-        plan: a `ShardingPlan`.
-
-    Yields:
-        `(variable, VariableLayout)` pairs, in plan order.
+    """`(variable, VariableLayout)` for each variable of `model`, in plan order.
 
     Raises:
         ShardingError: the model's variables changed since the plan was made.

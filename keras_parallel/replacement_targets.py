@@ -1,9 +1,7 @@
 """What keras_parallel replaces in Keras: a `Target`, one row of a table.
 
-The tables (`REPLACED` in `keras_parallel.keras_compat` and in each
-backend's `keras_compat`) are made of `Target`s; `keras_parallel.replacements`
-replaces only what they list, and docs/design.md shows them
-(`markdown_rows`).
+The `REPLACED` tables of each `keras_compat` are made of them; `replacements`
+replaces only what they list, and docs/design.md shows them (`markdown_rows`).
 """
 
 import importlib
@@ -15,15 +13,13 @@ class Target:
     """Attributes of Keras (or of a backend) that keras_parallel replaces.
 
     Args:
-        owner: where the attributes live, as an import path: a module
-            (`"keras.src.backend.jax.trainer"`) or a class
-            (`"keras.src.callbacks.backup_and_restore.BackupAndRestore"`).
-        names: the attributes' names (a string or a tuple of strings).
+        owner: the import path of a module or class holding the attributes.
+        names: a string or a tuple of strings.
         why: what keras_parallel does with them, for the docs' table.
         on_instances: the attributes are set on objects of the `owner`
             class (a model's `train_step`), not on the class itself.
-        optional: the owner (or the attributes) exist only in some Keras
-            versions; another `Target` names where the others have them.
+        optional: they exist only in some Keras versions; another `Target`
+            names where the others have them.
     """
 
     def __init__(self, owner, names, why, on_instances=False, optional=False):
@@ -57,12 +53,8 @@ class Target:
 
 
 def _import(path):
-    """The module or class at a dotted path, or `None`.
-
-    Walked by attribute from the top package, importing a submodule only
-    where no attribute has the name: `"tensorflow.random"` is the module
-    object `tf.random` that Keras calls, which an import by that name is not.
-    """
+    """The module or class at a dotted path, or `None`, walked by attribute:
+    `"tensorflow.random"` is the `tf.random` Keras calls, not that import."""
     parts = path.split(".")
     try:
         value = importlib.import_module(parts[0])
@@ -80,14 +72,10 @@ def _import(path):
 
 
 def markdown_rows(label, targets):
-    """The rows of docs/design.md's table of replaced targets.
+    """docs/design.md's Markdown table rows, one per `Target` of `targets`.
 
     Args:
         label: the first column: `"every backend"`, `"jax"`, ...
-        targets: the `Target`s of that table.
-
-    Returns:
-        A list of Markdown table rows, one per target.
     """
     rows = []
     for target in targets:

@@ -1,10 +1,8 @@
 """One way to replace an attribute of Keras (or of a backend) for a while.
 
-Some things can only be changed by replacing an attribute of a Keras module,
-class or object. `Replacements` refuses a target that no `REPLACED` table lists
-(`keras_compat` and each backend's), so the tables list everything
-keras_parallel replaces, and restores exactly what it found, newest first: a
-nested entry point puts back the outer one's replacements (docs/design.md).
+`Replacements` refuses a target that no `REPLACED` table lists, so the tables
+list everything keras_parallel replaces, and restores exactly what it found,
+newest first (docs/design.md).
 """
 
 import contextlib
@@ -22,10 +20,8 @@ def _registered_targets():
     """Every target of the shared table and of each imported backend's."""
     import sys
 
-    # Keras's first import may come from `keras_compat`'s own (its version
-    # check), and the torch backend replaces a target as Keras loads
-    # (`keras_parallel/__init__.py`): the shared table is then not yet made,
-    # and none of its targets is replaced.
+    # Not made yet while `keras_compat` imports Keras (the torch backend
+    # replaces a target as Keras loads); none of its targets is replaced then.
     targets = list(getattr(keras_compat, "REPLACED", ()))
     for backend in ("jax", "torch", "tensorflow"):
         module = sys.modules.get(f"keras_parallel.backends.{backend}.keras_compat")
@@ -38,8 +34,7 @@ def target_of(owner, name):
     """The registered `Target` that `owner.name` is.
 
     Raises:
-        LookupError: no table lists it (a keras_parallel bug: every
-            replacement must be listed, see the module docstring).
+        LookupError: no table lists it (a keras_parallel bug).
     """
     for target in _registered_targets():
         if target.matches(owner, name):
@@ -66,8 +61,7 @@ def _set(owner, name, value):
     elif isinstance(owner, types.ModuleType):
         setattr(owner, name, value)
     else:
-        # Past Keras's and torch's attribute tracking: a function set on a
-        # model is not a layer to track.
+        # Past Keras's and torch's attribute tracking: a function is no layer.
         object.__setattr__(owner, name, value)
 
 
@@ -83,9 +77,7 @@ def _delete(owner, name):
 class Replacements:
     """Attributes replaced for a while; `restore()` puts back what was found.
 
-    Re-entrant and stackable: each `Replacements` restores what it found
-    when it replaced, so replacements made inside others' (a nested entry
-    point) undo only their own.
+    Each restores only its own, so they nest (a nested entry point).
     """
 
     def __init__(self):
@@ -100,8 +92,7 @@ class Replacements:
             value: the replacement.
 
         Returns:
-            What `owner.name` was (inherited or its own): the function a
-            wrapper calls on.
+            What `owner.name` was (inherited or its own), for a wrapper to call.
         """
         target_of(owner, name)
         previous = getattr(owner, name, None)

@@ -81,13 +81,8 @@ def _count(n, noun):
 def backend_note(backend):
     """Where the backend came from, when the user did not choose it.
 
-    Args:
-        backend: the backend Keras runs, e.g. `"tensorflow"`.
-
     Returns:
-        A sentence when `KERAS_BACKEND` is not set (Keras then reads
-        `keras.json`, which it writes with its default, `"tensorflow"`, if
-        there is none), else `None`.
+        A sentence when `KERAS_BACKEND` is not set, else `None`.
     """
     from keras_parallel import keras_config
 
@@ -102,15 +97,8 @@ def backend_note(backend):
 
 
 def one_device_hint(plan, executor):
-    """What to do when a distribution runs on one device only.
-
-    Args:
-        plan: the `ShardingPlan` applied.
-        executor: the `Executor` that applied it.
-
-    Returns:
-        The message, or `None` when the plan spans several devices.
-    """
+    """What to do when a distribution runs on one device only, or `None`
+    when the applied `plan` spans several devices."""
     if plan.num_devices != 1:
         return None
     name = type(executor.distribution).__name__
@@ -136,7 +124,6 @@ def _axes(axes):
 
 
 def _cluster_line(num_processes):
-    # Where several processes run: how they found each other.
     if num_processes == 1:
         return []
     return [f"Cluster: {cluster_environments.describe_joined()}"]
@@ -146,13 +133,8 @@ def format_plan(plan, model_name="model", executor=None):
     """Formats a `ShardingPlan` as the table `describe` returns.
 
     Args:
-        plan: a `ShardingPlan`.
-        model_name: the name shown in the heading.
         executor: the `Executor` running it, for the backend and the
             processes; `None` for the running backend in one process.
-
-    Returns:
-        A string.
     """
     if executor is None:
         import keras
@@ -199,7 +181,6 @@ def format_plan(plan, model_name="model", executor=None):
         for v in plan.variables
     ]
     if any(v.logical is not None for v in plan.variables):
-        # Placed by rules: each variable's logical axes before its layout.
         header = header[:4] + ("Logical axes",) + header[4:]
         rows = [
             r[:4] + (_axes(v.logical) if v.logical else "",) + r[4:]

@@ -1,10 +1,8 @@
 """`shard=`: variables and optimizer state split over the data axis.
 
-`"full"` splits every large variable, its gradient and its optimizer state over
-the mesh's batch axis (ZeRO-3, FSDP's `FULL_SHARD`); `"optimizer"` only the
-optimizer state and the update (ZeRO-1/2). Which variables get the batch axis,
-and on which dimension, is one rule for every backend, kept here
-(docs/sharding.md). Nothing here touches a device or imports a backend.
+`"full"` splits large variables, their gradients and optimizer state over the
+batch axis (ZeRO-3, FSDP); `"optimizer"` only the optimizer state and update
+(ZeRO-1/2). Where the batch axis goes is one rule for every backend, kept here.
 """
 
 import math
@@ -20,16 +18,7 @@ DEFAULT_SHARD_MIN_SIZE = 4096
 
 
 def check_shard(shard, shard_min_size):
-    """Refuses a `shard` or `shard_min_size` that means nothing.
-
-    Args:
-        shard: `None`, `"full"` or `"optimizer"`.
-        shard_min_size: the element count below which variables stay whole.
-
-    Raises:
-        ShardingError: naming the argument, what it received and the
-            values it takes.
-    """
+    """Refuses a `shard` or `shard_min_size` that means nothing (`ShardingError`)."""
     if shard not in SHARD_MODES:
         raise ShardingError(
             "`shard` must be None (every device holds whole variables and "
@@ -70,10 +59,8 @@ def with_batch_axis(path, shape, axes, batch_axis, axis_size, min_size):
 
     Args:
         path: the variable's path, for the warning.
-        shape: the variable's shape.
         axes: its layout so far (`None` or a mesh axis per dimension).
-        batch_axis: the mesh axis the batch is split along.
-        axis_size: that axis's number of devices.
+        axis_size: the batch axis's number of devices.
         min_size: variables with fewer elements stay whole.
 
     Returns:
@@ -116,16 +103,12 @@ def with_batch_axis(path, shape, axes, batch_axis, axis_size, min_size):
 def sharded_layout(path, shape, dtype, axes, key, batch_axis, axis_size, min_size):
     """A planned variable's layout and its `From` note, with `shard=`'s axis.
 
-    Args:
-        path, shape, dtype: the variable's.
-        axes: its layout so far.
-        key: where that layout came from (`describe()`'s `From` column:
-            a `LayoutMap` key, `"(replicated)"`, `"(follows d1/kernel)"`).
-        batch_axis, axis_size, min_size: as for `with_batch_axis`.
+    `key` is where `axes` came from (`describe()`'s `From` column, e.g.
+    `"(replicated)"`); the other arguments are as for `with_batch_axis`.
 
     Returns:
-        `(axes, key)`: `key` says `sharded` where the batch axis was added.
-        Integer variables are returned as they are.
+        `(axes, key)`: `key` says `sharded` where the batch axis was added;
+        integer variables are returned as they are.
     """
     if not is_floating(dtype):
         return tuple(axes), key

@@ -1,13 +1,10 @@
 """The releases the test matrix runs on: the oldest and the newest of each.
 
-`constraints-oldest.txt`, `constraints.txt` and `constraints-newest.txt`
-(newest torch) pin them, and `tests/test_tested_versions.py` keeps this table
-equal to them. Those files are not installed with keras_parallel, so
-`keras-parallel env` reads the table here.
+`tests/test_tested_versions.py` keeps this equal to the `constraints*.txt`
+files, which are not installed, so `keras-parallel env` reads it here.
 """
 
-#: `{distribution name: (oldest tested, newest tested)}`; `keras-nightly`
-#: is its own newest (one pinned development build).
+#: `{distribution name: (oldest, newest)}`; `keras-nightly` pins one build.
 TESTED = {
     "keras": ("3.15.0", "3.15.1"),
     "keras-nightly": ("3.16.0.dev2026102704", "3.16.0.dev2026102704"),
@@ -35,12 +32,10 @@ def tested_range(name, version):
     """Whether `version` of `name` is in the tested range, in words.
 
     Args:
-        name: a distribution name (`"torch"`).
-        version: its installed version (`"2.14.1"`; a local part such as
-            `+cpu` is ignored).
+        version: e.g. `"2.14.1"`; a local part such as `+cpu` is ignored.
 
     Returns:
-        `"tested"`, `"older than tested (2.13.0 to 2.13.0)"`, `"newer than
+        `"tested"`, `"older than tested (2.13.0 to 2.15.0)"`, `"newer than
         tested (...)"`, or None for a package the matrix does not pin.
 
     Example:

@@ -1,20 +1,15 @@
 """`ThroughputMonitor`: how fast `fit` trains, in its logs.
 
-Samples per second, step time, TFLOP/s, MFU and peak device memory go to the
-epoch's logs, for `History`, the progress bar, `CSVLogger` and `TensorBoard`.
-Nothing is read from the device in a step: times are the host's, and the
-samples are the count of Keras's loss tracker, read once an epoch
-(docs/throughput.md).
+Nothing is read from the device in a step: times are the host's, and samples
+are Keras's loss tracker's count, read once an epoch (docs/throughput.md).
 """
 
 import time
 
 import keras
 
-#: Dense peak FLOP/s of common accelerators, `{kind: (bf16/fp16, fp32)}`
-#: (the vendors' dense tensor-core figures; fp32 without TF32). The device
-#: kind is matched by substring, case-insensitive; give `peak_flops` for
-#: others.
+#: Vendors' dense peak FLOP/s, `{kind: (bf16/fp16, fp32)}` (fp32 without TF32);
+#: kinds match by substring, case-insensitive.
 PEAK_FLOPS = {
     "H200": (989e12, 67e12),
     "H100": (989e12, 67e12),
@@ -88,7 +83,6 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._steps = 0
         self._samples = None
 
-    # ------------------------------------------------------------- hooks
     def on_epoch_begin(self, epoch, logs=None):
         self._start = self._window_start = time.perf_counter()
         self._last_end = None
@@ -124,17 +118,12 @@ class ThroughputMonitor(keras.callbacks.Callback):
         logs.update(self.throughput(samples, seconds, self._steps))
         self._start = None
 
-    # ------------------------------------------------------------ numbers
     def throughput(self, samples, seconds, steps):
         """The logs of an epoch of `samples` in `seconds` over `steps`.
 
         Args:
             samples: the samples trained on (None if unknown).
             seconds: the time from the epoch's start to its last step's end.
-            steps: the training steps.
-
-        Returns:
-            A dict of the logs this callback adds.
         """
         out = {"step_time_ms": 1000.0 * seconds / max(steps, 1)}
         if not samples or seconds <= 0:
@@ -168,18 +157,11 @@ def _samples_counted(model):
 
 
 def train_flops_per_sample(model):
-    """The training FLOPs of one sample, estimated from the model's layers.
+    """The training FLOPs of one sample, estimated from a built model's layers.
 
-    Each `Dense`, `EinsumDense` and convolution multiplies its kernel with
-    its input: `2 * kernel size` FLOPs for every position it is applied at
-    (a token of a sequence, a pixel of a convolution's output); training is
-    3 times the forward pass (the backward pass computes the gradients of
-    both the inputs and the kernel). Other layers (attention's score
-    products, normalization, activations) are not counted, as
-    `6 * parameters * tokens` estimates do not count them.
-
-    Args:
-        model: a built Keras model.
+    Each `Dense`, `EinsumDense` and convolution costs `2 * kernel size` FLOPs
+    at each position (token, output pixel); training is 3 times the forward
+    pass. Other layers are not counted, as in `6 * parameters * tokens`.
 
     Returns:
         FLOPs per sample, or None where no such layer is built.

@@ -1,10 +1,8 @@
 """The cluster a process was started in, read from its environment.
 
-One class per launcher (`KERAS_DISTRIBUTION_*`, torchelastic, `srun`, `mpirun`),
-in Lightning's shape (`detect()`, `global_rank()`, ...), reads the variables it
-sets; `detect_cluster_environment()` returns the first that applies
-(docs/multihost.md). It imports neither Keras nor a backend, so the launcher
-and `keras-parallel env` can use it.
+One class per launcher, in Lightning's shape (`detect()`, `global_rank()`, ...);
+`detect_cluster_environment()` returns the first that applies. It imports
+neither Keras nor a backend, so the launcher and `keras-parallel env` can use it.
 """
 
 from keras_parallel.cluster_environments.base import (
@@ -54,8 +52,7 @@ __all__ = [
     "record_joined",
 ]
 
-# Detected in this order: an explicit setting (Keras's own variables) wins
-# over what a launcher around it set.
+# Detection order: an explicit setting (Keras's variables) beats a launcher's.
 ENVIRONMENTS = (
     KerasDistributionEnvironment,
     TorchElasticEnvironment,
@@ -67,13 +64,9 @@ ENVIRONMENTS = (
 def detect_cluster_environment(environ=None):
     """The environment this process was started in, or None on a bare machine.
 
-    Args:
-        environ: the variables to read; `os.environ` when None.
-
     Returns:
-        An instance of the first of `ENVIRONMENTS` whose `detect()` is true
-        (not yet validated: `validate()` reads every value), or None; None
-        too where `KERAS_PARALLEL_CLUSTER=off` (`opted_out`).
+        An instance of the first of `ENVIRONMENTS` whose `detect()` is true,
+        not yet validated; None where none is or `KERAS_PARALLEL_CLUSTER=off`.
 
     Raises:
         ClusterEnvironmentError: `KERAS_PARALLEL_CLUSTER` is neither `off`
@@ -106,10 +99,7 @@ def joined_environment():
 
 
 def describe_joined():
-    """The plan's line: the environment joined by, else the one detected now.
-
-    Never raises.
-    """
+    """The plan's line (never raises): the environment joined by, else detected."""
     env = joined_environment()
     if env is None:
         return describe_environment()
@@ -120,10 +110,7 @@ def describe_joined():
 
 
 def describe_environment(environ=None):
-    """`keras-parallel env`'s line: the detected environment, or none.
-
-    Never raises: a wrong variable is reported with its error.
-    """
+    """`keras-parallel env`'s line (never raises): the detected environment."""
     try:
         if opted_out(environ):
             return f"none: {OPT_OUT_VAR}=off (every process runs alone)"

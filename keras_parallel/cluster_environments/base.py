@@ -14,17 +14,12 @@ def environment_error(what, received, fix):
 
 
 def positive_seconds(environ, variable, default, example):
-    """A number of seconds read from `environ[variable]`, or `default` where unset.
+    """Seconds read from `environ[variable]`, or `default` where unset or blank.
 
-    Args:
-        environ: the variables to read.
-        variable: the variable's name.
-        default: the seconds where it is unset or blank.
-        example: a value to suggest in the error.
+    `example` is a value the error suggests.
 
     Raises:
-        ClusterEnvironmentError: the value is not a positive number (a
-            `ValueError`).
+        ClusterEnvironmentError: the value is not a positive number.
     """
     text = environ.get(variable, "").strip()
     if not text:
@@ -43,20 +38,12 @@ def positive_seconds(environ, variable, default, example):
 
 
 def bind_error(host, port):
-    """Why a server could not listen on `port` here, or None where it could.
+    """Why a server could not listen on `port` here (the `OSError`), or None.
 
-    Binds as the runtimes' servers will (gRPC's listeners for TensorFlow's
-    workers and JAX's coordinator, libuv's for torch's store all set
-    SO_REUSEADDR): a port whose last run left only TIME-WAIT connections is
-    free to them, while one that something listens on is refused. A plain
-    bind would refuse both, for about 60 s.
-
-    Args:
-        host: the address to bind (`""`: every interface).
-        port: the port.
-
-    Returns:
-        The `OSError` of the bind, or None.
+    Binds with SO_REUSEADDR, as the runtimes' servers do (gRPC, libuv): a port
+    the last run left in TIME-WAIT is free to them, one something listens on
+    is not; a plain bind would refuse both for about 60 s. `host` `""` is
+    every interface.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -75,11 +62,8 @@ def host_port(host, port):
 class ClusterEnvironment:
     """What a launcher tells each process: the base of every environment.
 
-    Args:
-        environ: the variables to read; `os.environ` when None.
-
     Subclasses name their variables (`WORLD_SIZE_VAR`, `RANK_VAR`, ...) and
-    read the address and port their own way.
+    read the address and port their own way. `environ` defaults to `os.environ`.
     """
 
     #: A short name, for messages and `keras-parallel env`.
@@ -191,14 +175,12 @@ class ClusterEnvironment:
     def worker_addresses(self):
         """Every process's `host:port`, in rank order (TensorFlow's workers).
 
-        Process `r` on its host listens on `main_port() + 1 + its index on
-        that host`: `main_port()` itself is left to the coordinator (torch's
-        store), and tasks on one host count up from a base, as
-        `tf.distribute.cluster_resolver.SlurmClusterResolver` does.
+        A process listens on `main_port() + 1 +` its index on its host (as
+        TensorFlow's `SlurmClusterResolver` counts), leaving `main_port()` to
+        the coordinator (torch's store).
 
         Raises:
-            ClusterEnvironmentError: the environment does not say every
-                process's host.
+            ClusterEnvironmentError: the environment does not name every host.
         """
         size = self.world_size()
         if size == 1 or self._single_host():

@@ -14,28 +14,17 @@ BACKENDS = ("torch", "jax", "tensorflow")
 
 
 def jax_coordinator_port(env):
-    """The port of JAX's coordinator (its distributed service) for `env`.
+    """The port of JAX's coordinator for `env`: `env.main_port()`.
 
-    `env.main_port()`, except under torchrun (`TorchElasticEnvironment`):
-    there `MASTER_PORT` is the port of torchrun's own TCPStore, which the
-    elastic agent holds for the whole run (`backends/torch/group.py` reads
-    it as the agent's store), so JAX's coordinator, which must bind its
-    own port on rank 0's host, takes the next one: `MASTER_PORT + 1`.
+    Under torchrun its agent holds `MASTER_PORT` (its TCPStore) for the whole
+    run, so the coordinator takes `MASTER_PORT + 1`.
     """
     port = env.main_port()
     return port + 1 if isinstance(env, TorchElasticEnvironment) else port
 
 
 def jax_initialize_arguments(env):
-    """`jax.distributed.initialize`'s arguments for `env`.
-
-    Args:
-        env: a `ClusterEnvironment`.
-
-    Returns:
-        `{"coordinator_address", "num_processes", "process_id"}`; the
-        coordinator on `jax_coordinator_port(env)`.
-    """
+    """`jax.distributed.initialize`'s keyword arguments for `env`."""
     return {
         "coordinator_address": host_port(env.main_address(), jax_coordinator_port(env)),
         "num_processes": env.world_size(),
@@ -44,23 +33,11 @@ def jax_initialize_arguments(env):
 
 
 def environment_variables(env, backend):
-    """The variables `backend`'s runtime reads, computed from `env`.
+    """The variables `backend`'s runtime reads, as strings; nothing is set.
 
-    Pure: nothing is set. The runtimes read these as they read what
-    `keras-parallel launch` sets: torch's process group `RANK`,
-    `WORLD_SIZE`, `LOCAL_RANK` (left out where `env` does not tell),
-    `MASTER_ADDR`, `MASTER_PORT`; JAX the `KERAS_DISTRIBUTION_*` that
-    `keras.distribution.initialize()` passes to `jax.distributed.initialize`
-    (see `jax_initialize_arguments`; under torchrun the coordinator is on
-    `MASTER_PORT + 1`, torchrun's store holding `MASTER_PORT`); TensorFlow
-    `TF_CONFIG`, every worker's `host:port` and this one's index.
-
-    Args:
-        env: a `ClusterEnvironment`.
-        backend: `"torch"`, `"jax"` or `"tensorflow"`.
-
-    Returns:
-        A dict of variable names to string values.
+    The runtimes read them as they read what `keras-parallel launch` sets:
+    torch's process-group variables, `KERAS_DISTRIBUTION_*` for JAX, and
+    `TF_CONFIG` for TensorFlow.
 
     Raises:
         ClusterEnvironmentError: a variable of `env` is wrong; it is named.

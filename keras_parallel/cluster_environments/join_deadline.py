@@ -1,10 +1,9 @@
 """A bound on the wait for a cluster job's other processes, and its error.
 
-Each backend joins inside `join_deadline`: past `KERAS_PARALLEL_JOIN_TIMEOUT`
-seconds, a process that a mistake left waiting (a rank nobody started, one
-given twice, rank 0's port taken) says what to check and is ended
-(docs/multihost.md). A watchdog process keeps the deadline, not a thread:
-TensorFlow holds Python's lock while it waits.
+Past `KERAS_PARALLEL_JOIN_TIMEOUT` seconds, a process a mistake left waiting (a
+rank nobody started, one given twice, rank 0's port taken) says what to check
+and ends. A watchdog process keeps the deadline, not a thread: TensorFlow holds
+Python's lock while it waits.
 """
 
 import contextlib
@@ -22,22 +21,19 @@ from keras_parallel.cluster_environments.base import (
 )
 
 JOIN_TIMEOUT_VAR = "KERAS_PARALLEL_JOIN_TIMEOUT"
-#: Processes that `srun`, `mpirun` or `keras-parallel launch` start meet
-#: within seconds; below 60 s, so that a mistake ends the job within a
-#: minute. Kubernetes pods may start minutes apart: docs/multihost.md sets
-#: more there.
+#: Processes that srun, mpirun or `keras-parallel launch` start meet within
+#: seconds; under 60 s, a mistake ends the job within a minute. Kubernetes pods
+#: may start minutes apart: docs/multihost.md sets more there.
 DEFAULT_JOIN_TIMEOUT_S = 45.0
 
 #: What the joining process writes to its watchdog once the join is over.
 _JOINED = b"joined"
 
-# Ends the process `argv[1]` after `argv[2]` seconds, printing `argv[3]`,
-# unless its stdin (a pipe from that process) closes first. The process
-# writes `_JOINED` before it closes it, whether the join returned or raised
-# (a Python error says what it is); a pipe closed without it means the
-# process died inside the runtime's join (JAX segfaults where its port is
-# taken), and `argv[4]` says what to check. Ctrl-C is the process's to
-# handle, not the watchdog's.
+# Kills process `argv[1]` after `argv[2]` seconds, printing `argv[3]`, unless
+# its stdin (a pipe from that process) closes first. The process writes
+# `_JOINED` before closing it; a pipe closed without it means the process died
+# inside the runtime's join (JAX segfaults where its port is taken), and
+# `argv[4]` says what to check. Ctrl-C is the process's, not the watchdog's.
 _WATCHDOG = f"""
 import os, select, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -57,9 +53,6 @@ elif sys.stdin.buffer.read() != {_JOINED!r}:
 def join_timeout_seconds(environ=None):
     """`KERAS_PARALLEL_JOIN_TIMEOUT` in seconds, or the default 45.
 
-    Args:
-        environ: the variables to read; `os.environ` when None.
-
     Raises:
         ClusterEnvironmentError: the value is not a positive number.
     """
@@ -70,14 +63,9 @@ def join_timeout_seconds(environ=None):
 def check_port_free(env, address):
     """Fails at once where this process cannot bind `address`'s port.
 
-    Call it in the process that binds it (rank 0's coordinator or store, a
-    TensorFlow worker's server), before the runtime tries: the runtime's own
-    failure names neither the port's variable nor the rank's.
-
-    Args:
-        env: the detected `ClusterEnvironment`.
-        address: `host:port`, the port this process binds (on every
-            interface, as the runtimes do).
+    Call it in the process that binds it, before the runtime tries: the
+    runtime's own failure names neither the port's variable nor the rank.
+    `address` is `host:port`; the port is tried on every interface.
 
     Raises:
         ClusterEnvironmentError: the port is taken; the message names the
@@ -102,27 +90,14 @@ def check_port_free(env, address):
 def port_checked(env, address):
     """Checks `address`'s port before the body binds it, and again if it fails.
 
-    Two processes given the same rank can both find the port free, then
-    the runtime of the later one fails to bind it with its own error
-    (torch: `EADDRINUSE`; TensorFlow: "Could not start gRPC server"), which
-    names neither the port's variable nor the rank's. Where the body fails
-    and the port is taken by then, the named error is raised instead, from
-    the runtime's (which the traceback keeps).
-
-    Args:
-        env: the detected `ClusterEnvironment`.
-        address: `host:port`, the port the body binds.
+    Two processes given the same rank can both find the port free; the later
+    one's runtime then fails with its own error (torch: `EADDRINUSE`), which
+    names neither variable. Where the body fails and the port is taken by
+    then, the named error is raised from the runtime's.
 
     Raises:
-        ClusterEnvironmentError: the port is taken, before the body or
-            after it failed.
-
-    Example:
-
-    ```python
-    with port_checked(env, "0.0.0.0:1234"):
-        start_the_server_on(1234)
-    ```
+        ClusterEnvironmentError: the port is taken, before the body or after
+            it failed.
     """
     check_port_free(env, address)
     try:
@@ -173,22 +148,11 @@ def _each_rank_and_the_port(env, address):
 def join_deadline(env, address):
     """Ends this process, saying what to check, if the body outlasts the deadline.
 
-    Once the body has run, `env` is the environment this process joined by
-    (`record_joined`: the plan names it).
-
-    Args:
-        env: the detected `ClusterEnvironment` (validated).
-        address: rank 0's `host:port` that the runtime meets at.
+    `address` is rank 0's `host:port`, where the runtime meets. Once the body
+    has run, `env` is recorded as the environment joined by (`record_joined`).
 
     Raises:
         ClusterEnvironmentError: `KERAS_PARALLEL_JOIN_TIMEOUT` is wrong.
-
-    Example:
-
-    ```python
-    with join_deadline(env, "10.0.0.1:1234"):
-        jax.distributed.initialize(...)
-    ```
     """
     seconds = join_timeout_seconds(env.environ)
     watchdog = _start_watchdog(
@@ -214,12 +178,8 @@ def join_deadline(env, address):
 
 
 def _start_watchdog(seconds, late_message, crash_message):
-    """The watchdog process, or None (with a warning) where none can run.
-
-    A frozen application's `sys.executable` is the application itself, and
-    an embedded interpreter's may be none: there the join waits as long as
-    the runtime lets it.
-    """
+    """The watchdog process, or None with a warning where no Python can run it
+    (a frozen application's `sys.executable`, an embedded interpreter's)."""
     command = [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid())]
     try:
         if getattr(sys, "frozen", False) or not sys.executable:

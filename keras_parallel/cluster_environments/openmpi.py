@@ -58,6 +58,3 @@ class OpenMPIEnvironment(ClusterEnvironment):
     def main_port(self):
         port = self._get("MASTER_PORT")
         return self.DEFAULT_PORT if port is None else self._port("MASTER_PORT", port)
-
-
-#: The order of detection: an explicit setting first, then the launchers.

@@ -4,23 +4,16 @@ import os
 
 from keras_parallel.cluster_environments.base import environment_error
 
-#: Set to `off`, every process runs alone: no environment is detected, no
-#: `TF_CONFIG` is acted on, nothing is joined when Keras is imported.
+#: Set to `off`, every process runs alone: nothing is detected or joined.
 OPT_OUT_VAR = "KERAS_PARALLEL_CLUSTER"
 _VALUES = ("", "auto", "off")
 
 
 def opted_out(environ=None):
-    """Whether `KERAS_PARALLEL_CLUSTER` is `off`.
+    """Whether `KERAS_PARALLEL_CLUSTER` is `off` (any case), not unset or `auto`.
 
-    The way out when keras_parallel's cluster join is not wanted (a job
-    that starts its runtime its own way) or fails while Keras is imported.
-
-    Args:
-        environ: the variables to read; `os.environ` when None.
-
-    Returns:
-        True for `off` (any case); False when unset, empty or `auto`.
+    The way out where the cluster join is not wanted (a job that starts its
+    runtime its own way) or fails while Keras is imported.
 
     Raises:
         ClusterEnvironmentError: any other value, which could be a typo of

@@ -17,25 +17,18 @@ from keras_parallel.cluster_environments.nodelists import (
 class SlurmEnvironment(ClusterEnvironment):
     """Processes started by `srun`: the tasks of one job step.
 
-    The rank is `SLURM_PROCID` of the step's `SLURM_STEP_NUM_TASKS`, on node
-    `SLURM_NODEID` as task `SLURM_LOCALID`; rank 0 runs on the first node of
-    the step (`SLURM_STEP_NODELIST`, else `SLURM_JOB_NODELIST` /
-    `SLURM_NODELIST`: the job may hold nodes the step does not use). The
-    port is `MASTER_PORT` when set, else `15000 + the last 4 digits of
-    SLURM_JOB_ID`, as Lightning does, so every process finds it alone and
-    two jobs rarely share one.
+    The rank is `SLURM_PROCID` of `SLURM_STEP_NUM_TASKS`, on node
+    `SLURM_NODEID` as task `SLURM_LOCALID`; rank 0 runs on the step's first
+    node (the step's node list first: the job may hold nodes the step does
+    not use). The port is `MASTER_PORT`, else `PORT_BASE` + the job id's last
+    4 digits, as Lightning does.
 
-    Only a task of an `srun` step is detected: srun sets `SLURM_STEP_ID` (a
-    normal step's number) and `SLURM_STEP_NUM_TASKS` in each task it starts
-    (`env_array_for_step` in SLURM's `src/common/env.c`). The batch script
-    of `sbatch` and the shell of `salloc` carry the allocation's
-    `SLURM_NTASKS` too, but they are one process: their `SLURM_STEP_ID` is
-    unset, or a special step's (`batch`, `interactive`, `extern`: 4294967290
-    and above in SLURM 20.11+, 4294967294 for `batch` before), so they run
-    alone, with a warning where `SLURM_NTASKS` asks for several tasks (the
-    script was meant for `srun python train.py`). This rule also covers
-    the `srun --pty bash` and `salloc` shells Lightning tells apart by their
-    job name, and, unlike that, an `srun` started inside `salloc`.
+    Only srun's tasks are detected: srun sets `SLURM_STEP_ID` (a normal
+    step's) and `SLURM_STEP_NUM_TASKS` in each (`env_array_for_step`, SLURM's
+    `src/common/env.c`). An `sbatch` script or `salloc` shell carries
+    `SLURM_NTASKS` but is one process, with no step id or a special step's,
+    so it runs alone (with a warning). Unlike Lightning's job-name rule, this
+    also covers an `srun` started inside `salloc`.
     """
 
     name = "slurm"
@@ -56,8 +49,7 @@ class SlurmEnvironment(ClusterEnvironment):
     def detect(cls, environ=None):
         """Whether this process is a task of an `srun` step.
 
-        Outside one (an `sbatch` script, a `salloc` shell) a `SLURM_NTASKS`
-        above 1 warns once (`NotStartedBySrunWarning`) and the process runs
+        Outside one, a `SLURM_NTASKS` above 1 warns once and the process runs
         alone: waiting for tasks nobody started would hang the import.
         """
         environ = os.environ if environ is None else environ
@@ -70,13 +62,8 @@ class SlurmEnvironment(ClusterEnvironment):
     def in_srun_step(cls, environ=None):
         """Whether `SLURM_STEP_ID` is a normal step's and `SLURM_STEP_NUM_TASKS` set.
 
-        Args:
-            environ: the variables to read; `os.environ` when None.
-
-        Returns:
-            True in a task srun started; False in a batch script, a `salloc`
-            shell (with or without SLURM's interactive step), or outside
-            SLURM.
+        False in a batch script, a `salloc` shell (with or without SLURM's
+        interactive step) and outside SLURM.
         """
         environ = os.environ if environ is None else environ
         step = (environ.get(cls.STEP_ID_VAR) or "").strip()

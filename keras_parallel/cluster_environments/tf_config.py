@@ -1,10 +1,8 @@
 """TensorFlow's `TF_CONFIG`, read without importing TensorFlow.
 
-`keras-parallel launch --backend tensorflow` sets it, and a user may (a
-Kubernetes job). keras_parallel makes one `MultiWorkerMirroredStrategy`
-over its workers, worker 0 the chief; a cluster with other roles (a
-`chief`, `ps` or `evaluator` task: parameter-server training, a side-car
-evaluator) is refused rather than read as workers it does not have.
+keras_parallel makes one `MultiWorkerMirroredStrategy` over its workers, worker
+0 the chief; a cluster with other roles (`chief`, `ps`, `evaluator`) is refused
+rather than read as workers it does not have.
 """
 
 import json
@@ -26,18 +24,12 @@ _EXAMPLE = (
 
 
 def cluster_workers(environ=None):
-    """The worker addresses `TF_CONFIG` lists, and this worker's index.
-
-    Args:
-        environ: the environment to read; defaults to `os.environ`.
-
-    Returns:
-        `(addresses, index)`; `([], 0)` without a `TF_CONFIG`.
+    """`(worker addresses, this worker's index)` from `TF_CONFIG`, or `([], 0)`.
 
     Raises:
         ValueError: `TF_CONFIG` is not JSON with a `cluster.worker` list.
         ClusterEnvironmentError: `TF_CONFIG` names a task type other than
-            `"worker"` (`chief`, `ps`, `evaluator`); a `ValueError` too.
+            `"worker"`; a `ValueError` too.
     """
     text = (os.environ if environ is None else environ).get("TF_CONFIG", "")
     if not text.strip():
@@ -71,18 +63,11 @@ def cluster_workers(environ=None):
 def wanted(environ=None):
     """Whether `TF_CONFIG`, else the cluster environment, asks for several workers.
 
-    Reads variables only: TensorFlow is not imported.
-
-    Args:
-        environ: the variables to read; `os.environ` when None.
-
-    Returns:
-        False where `KERAS_PARALLEL_CLUSTER=off`.
+    False where `KERAS_PARALLEL_CLUSTER=off`. TensorFlow is not imported.
 
     Raises:
-        ValueError: `TF_CONFIG` is wrong or names other roles than workers;
-            a variable of the cluster environment is wrong (a
-            `ClusterEnvironmentError`).
+        ValueError: `TF_CONFIG` or a variable of the cluster environment is
+            wrong (a `ClusterEnvironmentError` for all but bad JSON).
     """
     environ = os.environ if environ is None else environ
     if opted_out(environ):
@@ -98,11 +83,9 @@ def wanted(environ=None):
 class TFConfigEnvironment(ClusterEnvironment):
     """The workers a `TF_CONFIG` lists, read as a cluster environment.
 
-    What a process started with its own `TF_CONFIG` (`keras-parallel launch
-    --backend tensorflow`, a Kubernetes TFJob) tells: every worker's
-    `host:port` and this one's index. For the join's checks and messages
-    (`join_deadline`); it is not among the detected environments, which
-    are the launchers' variables that a `TF_CONFIG` is computed from.
+    For the join's checks and messages (`join_deadline`) only: it is not
+    among the detected environments, from whose variables a `TF_CONFIG` is
+    computed.
     """
 
     name = "TF_CONFIG"

@@ -21,19 +21,13 @@ def input_kind(adapter):
 
 
 def input_line(kind, divided, processes, how=None):
-    """How an input is divided, as the line the chief prints when it first
-    reads one.
+    """The line the chief prints on how an input is divided, when it first reads one.
 
     Args:
         kind: the input's kind (`input_kind`).
         divided: whether each process prepares only its share.
         processes: the number of processes.
-        how: for a divided `PyDataset`, how its batches reach the
-            processes (each backend moves them its own way).
-
-    Returns:
-        A line, e.g. `"Input: DataLoader, each of 2 processes loads its rows
-        of every global batch"`.
+        how: for a divided `PyDataset`, how its batches reach the processes.
     """
     if divided and kind == "PyDataset":
         return (
@@ -67,10 +61,9 @@ def input_line(kind, divided, processes, how=None):
 def made_in_order(dataset):
     """Whether Keras makes a `PyDataset`'s batches one by one, in its order.
 
-    With several workers (or processes) Keras's enqueuer makes them: it
-    shuffles on a thread of its own and goes on from where an earlier
-    iteration stopped, an order no process could reproduce. Such a dataset
-    is read whole by every process, as one device reads it.
+    With several workers Keras's enqueuer shuffles on its own thread and goes
+    on from where an earlier iteration stopped, an order no process could
+    reproduce; such a dataset is read whole by every process.
     """
     return (
         dataset.num_batches is not None

@@ -1,10 +1,7 @@
 """A torch `DataLoader` that loads one process's rows of every global batch.
 
-`rank_loader` makes a loader over the same dataset, collate function and
-workers whose batch sampler hands this process only its rows of each global
-batch, drawn from the same global order on every process (one shuffle, from the
-random state the processes share). torch is imported only when a loader is
-given.
+Every process draws the same global order (one shuffle, from the random state
+they share) and keeps its rows. torch is imported only when a loader is given.
 """
 
 import collections
@@ -28,9 +25,8 @@ def rank_loader(loader, rows_of):
 
     Args:
         loader: a map-style `torch.utils.data.DataLoader` (`divisible`).
-        rows_of: `rows_of(B)` is `(start, stop)`, this process's rows of a
-            global batch of `B` rows, or a list of such ranges (its rows
-            are theirs, concatenated).
+        rows_of: `rows_of(B)` is this process's rows of a global batch of
+            `B` rows: `(start, stop)`, or a list of such ranges.
 
     Returns:
         A `DataLoader`; its `batch_sampler.sizes` holds the global sizes of

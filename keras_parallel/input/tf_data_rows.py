@@ -1,10 +1,8 @@
 """A `tf.data.Dataset` read as one process's rows of its global batches.
 
-A pipeline that ends in row-wise maps and a `batch` makes global batch `i` from
-rows `batch_size * i ...` of what enters the maps. `rows_dataset` rebuilds it
-with a filter before the maps that keeps this process's rows, dividing the
-maps' work; any other shape is read whole (`None`). The tf.data internals it
-reads are in `TF_DATA_INTERNALS` (`tests/test_tf_data_rows.py`).
+For a pipeline that ends in row-wise maps and a `batch`, `rows_dataset` adds a
+filter before the maps that keeps this process's rows, dividing their work; any
+other shape is read whole. `TF_DATA_INTERNALS` lists the tf.data internals read.
 """
 
 from keras_parallel.input import row_ranges
@@ -50,13 +48,12 @@ def rows_dataset(dataset, rows_of):
 
     Args:
         dataset: the user's `tf.data.Dataset` of global batches.
-        rows_of: `rows_of(rows)`, this process's rows of a global batch of
-            `rows` rows: `(start, stop)`, or a list of such ranges in
-            increasing order (its part is their rows, concatenated).
+        rows_of: `rows_of(rows)` is this process's rows of a global batch of
+            `rows` rows: `(start, stop)`, or a list of such ranges in order.
 
     Returns:
-        A `RowsDataset`, or None where the pipeline has no row-wise maps
-        right under its batch (nothing to divide) or cannot be rebuilt.
+        A `RowsDataset`, or None where no row-wise maps sit right under the
+        batch or the pipeline cannot be rebuilt.
     """
     import tensorflow as tf
 

@@ -1,10 +1,8 @@
-"""Starting one process per device, and the `keras-parallel launch` command.
+"""Starting one process per device: `launch` and `keras-parallel launch`.
 
-`torch_processes` has `launch(fn, num_processes)` for Python or a notebook
-(torch). `command` is `keras-parallel launch` for every backend: torch through
-torchrun, JAX and TensorFlow through `jax_processes` and `tf_processes`, which
-share `local_processes`, `supervisor` and `bootstrap`. The launcher depends on
-the backends, never the reverse.
+`launch` (torch) runs a function from Python or a notebook; `command` is
+`keras-parallel launch`, for every backend. The launcher depends on the
+backends, never the reverse.
 """
 
 from keras_parallel.launcher.ports import free_port

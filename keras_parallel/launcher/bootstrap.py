@@ -1,10 +1,8 @@
 """What `keras-parallel launch` runs in each process, before the user's script.
 
-`python -m keras_parallel.launcher.bootstrap script.py` starts the runtime
-(`jax.distributed`, or the `MultiWorkerMirroredStrategy` TensorFlow needs
-before it runs anything), then the script as `__main__`. A failing process
-exits at once: the others may wait for it in a collective or at JAX's exit
-barrier. Under torchrun, torch's `record` names the rank that failed first.
+It starts the runtime (`jax.distributed`, or TensorFlow's strategy), then the
+script as `__main__`. A failing process exits at once: the others may wait for
+it in a collective or at JAX's exit barrier.
 """
 
 import os
@@ -47,12 +45,9 @@ def main(argv=None):
 def _runtime(backend):
     """This process's name and the function that starts its runtime."""
     if backend == "tensorflow":
-        # TensorFlow's C++ INFO lines as its server and coordination service
-        # start ("Started server", "has connected", "Example stragglers:"
-        # over a bare "/job:worker/replica:0/task:1" line) say nothing the
-        # launcher does not; its warnings and errors (a worker's lost
-        # heartbeats) still print. Read once, when TensorFlow loads, so set
-        # here, before the import; a level the user set is kept.
+        # TensorFlow's C++ INFO lines at server start repeat the launcher's;
+        # warnings (lost heartbeats) still print. Read when TensorFlow loads,
+        # so set before the import; a level the user set is kept.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         from keras_parallel.backends.tensorflow import workers
 
@@ -81,9 +76,8 @@ def _run_torch(argv):
     run()
 
 
-#: The folder where each rank a preemption stopped leaves a file, set by
-#: `keras-parallel launch` (torch): torchrun, stopped by the same signal,
-#: does not report the ranks' exit codes.
+#: Folder where each rank a preemption stopped leaves a file (torch): torchrun,
+#: stopped by the same signal, does not report the ranks' exit codes.
 PREEMPTED_MARKS_ENV = "KERAS_PARALLEL_PREEMPTED_MARKS"
 
 
@@ -96,9 +90,8 @@ def _mark_preempted():
 
 
 def _broken_collective(error):
-    """Whether a JAX process failed only because a collective broke (a peer
-    failed or left: gloo's or NCCL's connection closed), which the launcher
-    reports only if no process names a cause of its own."""
+    """Whether a JAX process failed only because a peer broke a collective;
+    the launcher names it only if no process names a cause of its own."""
     if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
         return False
     text = str(error).lower()

@@ -1,7 +1,6 @@
-"""Checks that refuse a launch which would fail in every process, before it starts.
+"""Refusing, before it starts, a launch that would fail in every process.
 
-Shared by every backend's `keras-parallel launch`, so that a bad count or a
-missing script reads the same on all of them.
+Shared by every backend, so a bad count or a missing script reads the same.
 """
 
 import os

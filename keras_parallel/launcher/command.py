@@ -1,10 +1,7 @@
 """`keras-parallel launch`: one command for every backend.
 
-The backend is `--backend`, else the one Keras would use (`keras_config`). On
-torch the command is torchrun (`torch.distributed.run`) by another name; on JAX
-and TensorFlow it starts N processes of this node through `bootstrap`, each
-with the environment its runtime reads (`jax_processes`, `tf_processes`),
-supervised by `supervisor` (docs/multihost.md).
+On torch it is torchrun by another name; on JAX and TensorFlow it starts this
+node's processes through `bootstrap` and supervises them (docs/multihost.md).
 """
 
 import contextlib
@@ -35,12 +32,10 @@ _USAGE = (
     "the last backup)."
 )
 BACKENDS = ("jax", "tensorflow", "torch")
-#: The words torchrun takes for `--nproc-per-node`: one process per device
-#: of that kind, counted by torchrun.
+#: torchrun's words for `--nproc-per-node`: one process per device of a kind.
 _DEVICE_COUNTS = ("auto", "cpu", "gpu", "xpu")
 
-#: The options that choose a rendezvous; without any, `launch` CLI runs
-#: torchrun `--standalone` (a free local port).
+#: Options that choose a rendezvous; without any, torchrun runs `--standalone`.
 _RENDEZVOUS_OPTIONS = (
     "--standalone",
     "--nnodes",
@@ -58,18 +53,16 @@ _RENDEZVOUS_OPTIONS = (
 def main(argv=None):
     """`keras-parallel launch [--backend B] [--nproc N] [options] script [args]`.
 
-    JAX and TensorFlow: `jax_processes`, `tf_processes`. torch: a thin layer
-    over `torch.distributed.run` (torchrun): `--nproc N` is
-    `--nproc-per-node N`, and `--standalone` is added when no rendezvous
-    option is given. Every other torchrun option passes through.
+    On torch, `--nproc N` is `--nproc-per-node N`, `--standalone` is added
+    when no rendezvous option is given, and every other option passes through.
 
     Args:
         argv: the arguments after `launch`.
 
     Returns:
-        The exit status: 0; the failed rank's exit code (1 if it was
-        killed by a signal); 2 for a command that cannot start; 128 + the
-        signal's number when SIGINT (Ctrl-C) or SIGTERM stopped the launch.
+        The exit status: 0; the failed rank's exit code (1 if a signal killed
+        it); 2 for a command that cannot start; 128 + the signal's number when
+        SIGINT or SIGTERM stopped the launch.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -107,9 +100,8 @@ def main(argv=None):
         print(f"keras-parallel launch: error: {_message(error)}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="keras_parallel-preempted-") as marks:
-        # Each rank that a preemption stopped leaves a file here (the
-        # bootstrap): torchrun reports no rank's exit code when it was
-        # itself stopped by the signal.
+        # Each rank a preemption stopped leaves a file here (`bootstrap`):
+        # torchrun, stopped by the same signal, reports no rank's exit code.
         os.environ[bootstrap.PREEMPTED_MARKS_ENV] = marks
         code = _run_torchrun(run, torchrun_args, SignalException, ChildFailedError)
         if code != 0 and _every_rank_preempted(marks, torchrun_args):
@@ -156,7 +148,6 @@ def _run_torchrun(run, torchrun_args, SignalException, ChildFailedError):
             f"{supervisor.how_it_ended(failure.exitcode, raised)}.",
             file=sys.stderr,
         )
-        # The rank's own exit code (sys.exit(3) gives 3); a signal, 1.
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as error:
         # A signal torchrun handled itself (SIGHUP, SIGQUIT) is named here;
@@ -179,17 +170,10 @@ def _stopped_by(signum):
 def _signals_end_every_rank(signal_exception):
     """SIGINT (Ctrl-C) or SIGTERM to the launcher ends every rank, quietly.
 
-    torchrun's own handler gives the ranks the signal it got, so Ctrl-C
-    printed a `KeyboardInterrupt` traceback per rank and then its own
-    `SignalException` traceback. Here the launcher handles both signals (and
-    tells torchrun to leave them alone, `_signals_left_to_launcher`):
-    each raises torchrun's `SignalException` asking for SIGTERM, which
-    torchrun's agent sends to every rank (SIGKILL after its grace), as the
-    supervisor does for JAX and TensorFlow. The first names the signal in
-    one line and silences torchrun's warnings about the ranks it ends.
-
-    Args:
-        signal_exception: torchrun's `SignalException` class.
+    torchrun's own handler passed the signal on, so Ctrl-C printed a traceback
+    per rank and one of its own. Here each raises torchrun's `SignalException`
+    asking for SIGTERM, which its agent sends to every rank; the first signal
+    is named in one line and torchrun's warnings about the ranks are silenced.
 
     Yields:
         The signals received, in order.
@@ -215,19 +199,11 @@ def _signals_end_every_rank(signal_exception):
 
 
 def _signals_left_to_launcher(torchrun_args, script):
-    """torchrun's arguments, telling it to handle neither SIGINT nor SIGTERM.
+    """`torchrun_args`, telling torchrun to handle neither SIGINT nor SIGTERM.
 
-    torchrun installs its handlers when it starts the ranks, over the
-    launcher's (`_signals_end_every_rank`); `--signals-to-handle` (default
-    `SIGTERM,SIGINT,SIGHUP,SIGQUIT`) chooses which. A list the user gave
-    (the option, or `PET_SIGNALS_TO_HANDLE`) is kept.
-
-    Args:
-        torchrun_args: torchrun's arguments, the script and its arguments.
-        script: the script (where torchrun's options end).
-
-    Returns:
-        The arguments.
+    torchrun installs its handlers over the launcher's when it starts the
+    ranks (`_signals_end_every_rank`). A list the user gave (the option, or
+    `PET_SIGNALS_TO_HANDLE`) is kept. `script` is where torchrun's options end.
     """
     options = torchrun_args[: torchrun_args.index(script)]
     names = {"--signals-to-handle", "--signals_to_handle"}
@@ -254,12 +230,10 @@ def _through_bootstrap(torchrun_args, script):
 def _first_cause(error):
     """The rank that failed first, not one that stopped because of it.
 
-    torchrun orders failures by a timestamp of whole seconds. A rank that
-    raised `PeerFailedError` (its error file says so) stopped because of
-    another, and so did a rank ended by a signal (torchrun sends SIGTERM to
-    the rest once one fails): both come after a rank that exited by itself.
-    Among ranks ended by signals, one that torchrun's SIGTERM ended comes
-    after one that another signal ended (SIGABRT from a gloo error).
+    torchrun orders failures by whole seconds. A rank that raised
+    `PeerFailedError` or was ended by a signal (torchrun's SIGTERM to the
+    rest) comes after one that exited by itself, and torchrun's SIGTERM after
+    another signal (SIGABRT from a gloo error).
     """
     failures = error.failures
 
@@ -274,15 +248,8 @@ def _first_cause(error):
 
 
 def _backend(argv):
-    """The backend and the other arguments.
-
-    Args:
-        argv: the arguments after `launch`.
-
-    Returns:
-        `(backend, rest)`: `--backend`, else the backend Keras would use
-        (`KERAS_BACKEND`, else `keras.json`, else tensorflow); `rest`
-        without the `--backend` option.
+    """`(backend, rest)`: `--backend`, else the one Keras would use, and `argv`
+    without the `--backend` option.
 
     Raises:
         ValueError: a backend the launcher cannot start, naming its source.
@@ -302,8 +269,7 @@ def _backend(argv):
             break
     source = "--backend"
     if not backend:
-        # The backend the script would get without the launcher; read, not
-        # imported: importing Keras here would start a backend in the
+        # Read, not imported: importing Keras would start a backend in the
         # launcher, and JAX's runtime must start in its processes.
         backend, source = keras_config.configured_backend()
     if backend not in BACKENDS:

@@ -1,10 +1,8 @@
 """`keras-parallel launch --backend jax`: the processes of one node.
 
-Each process gets the environment `keras.distribution.initialize()` reads, runs
-`bootstrap` (which starts `jax.distributed` before the script) and is
-supervised with the others. Process `node_rank * N + i` runs on node
-`node_rank`; process 0 hosts the coordinator. The options and their checks are
-shared with TensorFlow (`local_processes`).
+Each gets the variables `keras.distribution.initialize()` reads and runs
+`bootstrap`; process `node_rank * N + i` runs on node `node_rank`, and
+process 0 hosts the coordinator.
 """
 
 import os
@@ -14,14 +12,9 @@ from keras_parallel.launcher import local_processes, ports
 
 
 def commands(args, base_env=None):
-    """One `(argv, env)` per process of this node.
+    """One `(argv, env)` per process of this node, in process order.
 
-    Args:
-        args: the parsed options (see `local_processes.parser`).
-        base_env: the environment to start from; defaults to `os.environ`.
-
-    Returns:
-        A list of `(argv, env)`, in process order.
+    `base_env` (default `os.environ`) is the environment to start from.
     """
     base = dict(os.environ if base_env is None else base_env)
     nproc, nnodes = args.nproc_per_node, args.nnodes

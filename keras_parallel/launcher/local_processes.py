@@ -1,9 +1,7 @@
-"""What `keras-parallel launch` shares between JAX and TensorFlow processes.
+"""The options and checks `keras-parallel launch` shares for JAX and TensorFlow.
 
-Both start N processes of this node through `bootstrap`, supervised by
-`supervisor`, and differ only in each process's environment
-(`jax_processes.commands`, `tf_processes.commands`). Here: the options, their
-checks and the port check, so that a bad launch reads the same on both.
+Both start this node's processes through `bootstrap` under `supervisor`; only
+each process's environment differs.
 """
 
 import argparse
@@ -17,11 +15,7 @@ from keras_parallel.launcher.checks import check_positive, check_script
 def parser(backend):
     """The options of `keras-parallel launch --backend <backend>`.
 
-    Args:
-        backend: `"jax"` or `"tensorflow"`, for the usage line.
-
-    Returns:
-        An `argparse.ArgumentParser`; the caller may add options.
+    The caller may add options to the returned `argparse.ArgumentParser`.
     """
     out = argparse.ArgumentParser(prog=f"keras-parallel launch --backend {backend}")
     out.add_argument("--nproc-per-node", "--nproc", type=int, default=1)
@@ -36,13 +30,6 @@ def parser(backend):
 
 def parse(option_parser, argv):
     """Parses `argv` (options, script, script args) and checks the options.
-
-    Args:
-        option_parser: from `parser`, with any extra options added.
-        argv: the arguments after `--backend B`.
-
-    Returns:
-        The parsed options; `script` and `script_args` included.
 
     Raises:
         ValueError: a count below 1, a node rank out of range, no script.
@@ -87,10 +74,6 @@ def cpu_threads(nproc):
 def run(commands, args, label="process"):
     """Starts and supervises the processes; returns the launcher's exit status.
 
-    Args:
-        commands: one `(argv, env)` per process of this node, or a function
-            of the attempt number returning them (see `supervisor`).
-        args: the parsed options (`--max-restarts`).
-        label: what the messages call a process (`"process"`, `"worker"`).
+    `commands` and `label` are as in `supervisor.supervise`.
     """
     return supervisor.supervise(commands, label=label, max_restarts=args.max_restarts)

@@ -13,16 +13,9 @@ def free_port(host="127.0.0.1"):
 
 
 def check_port_free(address, port, role="coordinator"):
-    """Refuses a port that something on this node already listens on.
+    """Refuses (`ValueError`) a port something on this node already listens on.
 
-    Args:
-        address: the address the process will listen on.
-        port: the port.
-        role: what listens there, for the message (`"coordinator"`,
-            `"worker 1"`).
-
-    Raises:
-        ValueError: naming the port and the fix.
+    `role` names what will listen there, for the message (`"worker 1"`).
     """
     error = bind_error(address, port)
     if error is not None:

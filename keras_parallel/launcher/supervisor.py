@@ -1,10 +1,8 @@
-"""Runs the processes of one node and ends them together.
+"""Runs the JAX and TensorFlow processes of one node and ends them together.
 
-`keras-parallel launch` runs its JAX and TensorFlow processes here (torch has
-torchrun's agent). The first process that fails is named (one whose collective
-a peer broke, `BROKEN_COLLECTIVE_EXIT_CODE`, only if no other names a cause
-within `FAILURE_GRACE_S`) and the others are ended. A signal to the launcher
-goes to every process; `max_restarts` restarts a failed group.
+Where torch has torchrun's agent: the first failure is named and the others
+ended, a signal to the launcher goes to every process, and a failed group is
+restarted up to `max_restarts` times.
 """
 
 import signal
@@ -17,17 +15,14 @@ from keras_parallel.persistence.preemption_settings import (
     grace_seconds,
 )
 
-#: Seconds the other processes get to stop by themselves after one failed.
-#: A JAX process waiting in a collective for a dead peer does not stop by
-#: itself (seen: still waiting after 10 s), so longer only delays the end.
+#: Seconds the others get to stop by themselves after one failed. A JAX process
+#: waiting on a dead peer never does (seen: still waiting after 10 s).
 FAILURE_GRACE_S = 5.0
-#: The exit status of a process whose collective broke (a peer failed or
-#: left): not the cause of a failure, which another process reports
-#: (`bootstrap`).
+#: Exit status of a process whose collective a peer broke: named as the
+#: failure only if no other process names a cause within `FAILURE_GRACE_S`.
 BROKEN_COLLECTIVE_EXIT_CODE = 76
-#: Seconds between SIGTERM and SIGKILL. JAX's preemption notifier catches
-#: SIGTERM in every process of `jax.distributed` (it only records it), so a
-#: JAX process stuck in a collective ends at the SIGKILL.
+#: Seconds between SIGTERM and SIGKILL. JAX's preemption notifier only records
+#: SIGTERM, so a JAX process stuck in a collective ends at the SIGKILL.
 TERMINATE_GRACE_S = 5.0
 
 
@@ -40,10 +35,9 @@ def supervise(commands, label="process", max_restarts=0):
             one (a restart may need new ports).
         label: what the messages call a process.
         max_restarts: how many times a failed group is ended and started
-            again, whole (as torchrun's `--max-restarts`). Each attempt's
-            processes see `KERAS_PARALLEL_RESTART_COUNT`; a script with
-            `keras.callbacks.BackupAndRestore` goes on from its last backup.
-            A launcher stopped by a signal does not restart.
+            again, whole (as torchrun's `--max-restarts`); each attempt's
+            processes see `KERAS_PARALLEL_RESTART_COUNT`. A launcher stopped
+            by a signal does not restart.
 
     Returns:
         0, the first failed process's exit code (1 if a signal ended it),
@@ -89,13 +83,9 @@ def _run_group(commands, attempt, stopped, label):
 
 
 def _process_env(env, attempt):
-    """`env` for one process of attempt `attempt`.
-
-    Drops `KERAS_PARALLEL_JOINED_PID`: a launcher started from a process
-    that joined a cluster starts a group of its own, whose processes must
-    join each other rather than run alone as that process's children
-    (`keras_parallel.cluster_join.may_join`).
-    """
+    """`env` for attempt `attempt`, without `KERAS_PARALLEL_JOINED_PID`: the
+    processes must join each other, not run alone as a joined process's
+    children (`cluster_join.may_join`)."""
     from keras_parallel.cluster_join import JOINED_PID_VAR
 
     env = {k: v for k, v in env.items() if k != JOINED_PID_VAR}
@@ -112,9 +102,8 @@ def _wait(processes, stopped, label):
     while True:
         codes = [p.poll() for p in processes]
         if stopped and not forwarded:
-            # Passed on at once, and each process gets the preemption's
-            # time to stop at an agreed step and write its backup (a
-            # scheduler's SIGTERM to the launcher is a preemption).
+            # Passed on at once, so each process has the preemption grace to
+            # stop at an agreed step and back up (SIGTERM is a preemption).
             forwarded = True
             preempted_at = time.monotonic()
             print(
@@ -187,8 +176,7 @@ def _wait(processes, stopped, label):
 
 
 def preemption_wait_s():
-    """How long the processes get to stop after a preemption: the
-    preemption grace (`KERAS_PARALLEL_PREEMPTION_GRACE`) and 10 s more."""
+    """Seconds the processes get to stop after a preemption: its grace + 10."""
     try:
         return grace_seconds() + 10.0
     except ValueError:
@@ -199,15 +187,13 @@ def how_it_ended(code, raised=False):
     """How a failed process ended, for the launcher's message.
 
     Args:
-        code: its exit status; negative for the signal that killed it, as
-            `subprocess` and torchrun give it.
-        raised: whether it is known to have printed a traceback before a
-            signal killed it (torchrun: the rank recorded its exception,
-            then was ended while it exited).
+        code: its exit status; negative for the signal that killed it.
+        raised: whether it printed a traceback before a signal killed it
+            (torchrun: the rank recorded its exception, then was ended).
 
     Returns:
-        What follows the process's name: `"failed with exit code 3 (its
-        traceback is above)"`, `"was killed by signal 9 (SIGKILL)"`.
+        What follows the process's name, e.g. `"was killed by signal 9
+        (SIGKILL)"`.
     """
     if code >= 0:
         return f"failed with exit code {code} (its traceback is above)"
@@ -219,8 +205,8 @@ def how_it_ended(code, raised=False):
         return (
             f"failed (its traceback is above), then was killed by signal {-code}{name}"
         )
-    # Killed from outside (SIGKILL: often the kernel's out-of-memory
-    # killer): the process printed nothing, so point to no traceback.
+    # Killed from outside (often the kernel's out-of-memory killer): it
+    # printed nothing, so point to no traceback.
     return f"was killed by signal {-code}{name}"
 
 

@@ -1,10 +1,8 @@
 """`keras-parallel launch --backend tensorflow`: the workers of one node.
 
-TensorFlow has no coordinator that hands out addresses, so each worker's
-`TF_CONFIG` lists every worker by a rule all nodes compute alike: worker `g`
-(`node_rank * N + i`) is task `g`, worker 0 the chief, and listens at its
-node's address on port `--master-port + g` (docs/multihost.md). Each runs
-`bootstrap`, which creates the strategy before the script.
+TensorFlow has no coordinator to hand out addresses, so every node computes the
+same `TF_CONFIG`: worker `g` (`node_rank * N + i`) is task `g`, worker 0 the
+chief, and listens on its node's address at `--master-port + g`.
 """
 
 import json
@@ -60,13 +58,9 @@ def node_addresses(args):
 
 
 def worker_addresses(args, addresses, ports=None):
-    """Every worker's `host:port`, in worker (task) order.
+    """Every worker's `host:port`, in task order.
 
-    Args:
-        args: the parsed options.
-        addresses: every node's address (`node_addresses`).
-        ports: this node's ports when no `--master-port` was given (one
-            node), else `None`.
+    `ports`: this node's ports where no `--master-port` was given (one node).
     """
     nproc = args.nproc_per_node
     out = []
@@ -79,15 +73,10 @@ def worker_addresses(args, addresses, ports=None):
 
 
 def commands(args, workers, base_env=None):
-    """One `(argv, env)` per worker of this node.
+    """One `(argv, env)` per worker of this node, in worker order.
 
-    Args:
-        args: the parsed options.
-        workers: every worker's `host:port` (`worker_addresses`).
-        base_env: the environment to start from; defaults to `os.environ`.
-
-    Returns:
-        A list of `(argv, env)`, in worker order.
+    `workers` is `worker_addresses`; `base_env` (default `os.environ`) is the
+    environment to start from.
     """
     base = dict(os.environ if base_env is None else base_env)
     nproc = args.nproc_per_node

@@ -1,10 +1,7 @@
-"""Starting one process per device, on top of `torch.distributed`.
+"""`launch(fn, num_processes)`: a function in N processes, from Python or a notebook.
 
-`launch(fn, num_processes=N)` runs a function in N processes from Python or a
-notebook, each with the environment torchrun gives (`RANK`, `WORLD_SIZE`,
-`LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), from which keras_parallel starts
-the process group. `torchrun` and `keras-parallel launch` start a script the
-same way (docs/torch.md).
+Each process gets the environment torchrun gives, from which keras_parallel
+starts the process group (docs/torch.md).
 """
 
 import os
@@ -304,6 +301,3 @@ def _end(processes):
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
-
-
-# ---------------------------------------------------------------- the CLI

@@ -1,7 +1,6 @@
 """The JAX backend: `jax.sharding` placements under Keras's own JAX trainer.
 
-- `executor`: `JaxExecutor`, the plan applied as `NamedSharding`s.
-- `batches`: where a batch's rows go (placed on the mesh, split in the step).
-- `processes`, `runtime`: across processes; `orbax`: checkpoints read back.
-- `keras_compat`: every Keras internal this backend reads or patches.
+`executor` applies the plan as `NamedSharding`s, `batches` places the batches,
+`processes`, `runtime` and `divided_input` run across processes, and
+`keras_compat` lists every Keras internal this backend reads or patches.
 """

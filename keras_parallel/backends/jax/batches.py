@@ -1,9 +1,7 @@
 """Where a batch's rows go on JAX: placed on the mesh, split inside the step.
 
-`distribute_batch` places each batch (whole on every device where the data
-axis does not divide it), `jit_splitting_batches` splits it inside the
-compiled step, and `laid_out_inputs` lays out `predict_on_batch`'s NumPy
-inputs as `predict`'s are.
+A batch the data axis does not divide is placed whole on every device and
+split inside the compiled step, so batches of any size train exactly.
 """
 
 import jax
@@ -20,12 +18,10 @@ from keras_parallel.errors import ShardingError
 
 
 def laid_out_inputs(function):
-    """Keras's predict step, its host (NumPy) inputs laid out as batches.
+    """Keras's predict step, its NumPy inputs laid out as batches.
 
-    Keras's JAX `predict_on_batch` hands its NumPy batch to the compiled
-    step as it is, never laid out by the distribution: every device would
-    compute the whole batch. `predict`'s batches arrive laid out already
-    (`jax.Array`s) and pass unchanged.
+    Keras's JAX `predict_on_batch` passes its NumPy batch unlaid-out, so
+    every device would compute all of it; `predict`'s `jax.Array`s pass.
     """
 
     def lay_out(value):
@@ -49,18 +45,15 @@ def laid_out_inputs(function):
 def distribute_batch(per_process_batch, layout, batch_dim_name, previous, divided=None):
     """Keras's `distribute_data_input`, for batches of any size.
 
-    Keras's JAX epoch iterator computes the data layout from the first batch
-    and reuses it, so the last batch of an epoch (43 samples over 8 devices)
-    would be refused as indivisible. A `NamedSharding` cannot split such a
-    batch (its shards must be equal), so it is placed whole on every device
-    and the compiled step splits it (`jit_splitting_batches`): no sample is
-    padded, dropped or repeated. It costs one extra compilation, which a
-    batch of a new shape costs on one device too, and a transfer of the
-    whole batch to every device rather than of its rows to each.
+    Keras reuses the first batch's layout and would refuse an epoch's last
+    batch (43 samples over 8 devices). A `NamedSharding` needs equal shards,
+    so such a batch is placed whole and split in the step: one extra
+    compilation, and the whole batch sent to every device.
 
-    `previous` is the function this one replaced (Keras's). Across
-    processes, `divided` (a `divided_input.DividedInput`) places the
-    batches a process loaded only its rows of.
+    Args:
+        previous: the function this one replaced (Keras's).
+        divided: across processes, the `divided_input.DividedInput` that
+            places the batches a process loaded only its rows of.
     """
     part = divided.part(per_process_batch) if divided is not None else None
     if part is not None:
@@ -89,8 +82,7 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous, divide
                 sharding.mesh, jax.sharding.PartitionSpec()
             )
     if processes.is_multi_process():
-        # This process holds the whole global batch (arrays, a PyDataset or
-        # a generator: `divided_input`); it transfers only its devices' rows.
+        # Each process holds the whole batch; it transfers only its rows.
         return processes.place(per_process_batch, sharding)
     return previous(per_process_batch, sharding, batch_dim_name)
 
@@ -98,43 +90,23 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous, divide
 def jit_splitting_batches(function, *args, previous, batch_sharding, donate, **kwargs):
     """Keras's step `jit`, the step's batch split over the data axis inside it.
 
-    A batch the data axis does not divide cannot be placed split (a
-    `NamedSharding` needs equal shards), so `distribute_batch` places it
-    whole on every device; inside the compiled step it is then constrained
-    to the data axis like any other batch (on a mesh whose only axis of
-    several devices is the data axis). XLA splits it as evenly as it
-    can (100 rows over 8 devices: 13 rows on each of 7, 9 on the last,
-    padded to 13) and leaves the padding out of every result: a sharding
-    never changes what a program computes. A batch placed split already is
-    left as it is.
+    XLA splits a batch placed whole as evenly as it can (100 rows over 8
+    devices: 13 on each of 7, 9 on the last) and leaves the padding out.
 
     Args:
-        function: the function Keras compiles: a step `(state, data)`, or
-            (`steps_per_execution > 1` in `predict`) its one-argument
-            concatenation, compiled unchanged.
-        *args: `jit`'s other positional arguments.
+        function: a step `(state, data)`, or a one-argument function
+            (`predict`'s concatenation), compiled unchanged.
         previous: the `jit` this one replaced (Keras's).
-        batch_sharding: the sharding a batch's rows are split by
-            (`PlannedDistribution.batch_sharding`); `None` splits nothing.
-        donate: whether to keep Keras's buffer donation. Keras donates the
-            state to its step so that an accelerator holds one copy of the
-            variables, not two; accelerators keep it. On XLA:CPU, over
-            several devices, the donated step of the guide's convnet was
-            4.5 to 5.4 % slower at batch 512 here (at batch 64 the whole
-            `fit` was faster donated, as it frees no state per step;
-            docs/benchmarks.md), and the copy it saves lives in host
-            memory; the guide's own loop does not donate.
-        **kwargs: `jit`'s keyword arguments.
-
-    Returns:
-        The compiled function.
+        batch_sharding: `PlannedDistribution.batch_sharding()`.
+        donate: whether to keep Keras's buffer donation. On XLA:CPU the
+            donated step was 4.5 to 5.4 % slower at batch 512
+            (docs/benchmarks.md), and the copy it saves is in host memory.
     """
     if not donate:
         kwargs.pop("donate_argnums", None)
     if batch_sharding is None or _has_other_axes(batch_sharding.mesh):
-        # On a mesh with a second axis, XLA's padded split of an uneven
-        # batch gives a gather (Embedding) a wrong gradient (seen on (4, 2),
-        # (2, 4), (2, 2) in plain JAX): that batch stays whole there.
+        # With a second mesh axis, XLA's padded split gives a gather
+        # (Embedding) a wrong gradient ((4, 2), (2, 4), (2, 2) in plain JAX).
         return previous(function, *args, **kwargs)
 
     def step(*step_args):
@@ -152,11 +124,7 @@ def _has_other_axes(mesh):
 
 
 def _split_rows(data, sharding):
-    """Every array of `data` with the batch's rows, constrained to `sharding`.
-
-    The batch's rows are the first dimension of its first array; an array
-    of another length (none in Keras's own data) is left as it is.
-    """
+    """`data`'s arrays as long as its first one, constrained to `sharding`."""
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(data) if np.ndim(leaf)]
     if not leaves:
         return data

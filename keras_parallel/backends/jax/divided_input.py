@@ -1,10 +1,7 @@
 """Each JAX process prepares only its share of the input (docs/multihost.md).
 
-Across processes, `get_jax_iterator` is replaced while an entry point runs:
-a map-style `DataLoader` or a row-wise `tf.data` pipeline loads only this
-process's rows, a one-worker `PyDataset` is made round-robin and
-all-gathered, and a generator is drawn by process 0 alone and handed out
-through `jax.distributed`'s key-value store (no collective: it draws on).
+A generator is drawn by process 0 alone and handed out through
+`jax.distributed`'s key-value store, not a collective: process 0 draws on.
 """
 
 import collections
@@ -20,27 +17,21 @@ from keras_parallel.input import kinds, rank_loader, tf_data_rows
 from keras_parallel.keras_compat import print_msg
 
 _END = "keras_parallel: end of the epoch"
-#: Each generator run's keys start with its number: the same on every
-#: process, which starts the same runs in the same order.
+#: A generator run's number, the same on every process: its keys' prefix.
 _runs = itertools.count()
-#: Parts remembered and not yet placed; older ones were never placed (an
-#: iteration Keras abandoned) and are forgotten.
+#: Parts kept for `place`; older ones (of an abandoned iteration) are dropped.
 _KEPT_PARTS = 64
 
 
 class DividedInput:
-    """Divides the input of one model's runs between the JAX processes.
-
-    Args:
-        distribution: the `PlannedDistribution` the batches are laid out by.
-    """
+    """Divides the input of one model's runs (its `PlannedDistribution`)
+    between the JAX processes."""
 
     def __init__(self, distribution):
         self.distribution = distribution
         self.processes = jax.process_count()
         self.process = jax.process_index()
-        #: The kinds of input seen: `{"DataLoader": True, "tf.data": False}`
-        #: (whether each was divided).
+        #: Each kind of input seen, and whether it was divided.
         self.kinds = {}
         self._parts = collections.OrderedDict()  # id(leaf) -> (leaf, rows, start)
         self._rank_loaders = {}  # id(loader) -> (loader, its rank loader)
@@ -49,16 +40,8 @@ class DividedInput:
     def iterator(self, adapter, *args, previous, **kwargs):
         """A data adapter's `get_jax_iterator`, divided where it can be.
 
-        Args:
-            adapter: Keras's data adapter.
-            *args: `get_jax_iterator`'s arguments (Keras 3.16's
-                `super_batch`: batches stacked for `steps_per_execution`,
-                which are read whole).
-            previous: Keras's `get_jax_iterator` of the adapter's class.
-            **kwargs: its keyword arguments.
-
-        Returns:
-            An iterator of batches of NumPy arrays.
+        With any argument (Keras 3.16's `super_batch`) the input is read
+        whole; `previous` is Keras's `get_jax_iterator` of its class.
         """
         kind = kinds.input_kind(adapter)
         source = None
@@ -78,17 +61,8 @@ class DividedInput:
         return entry[1:]
 
     def place(self, leaf, rows, start):
-        """This process's rows `[start, ...)` of a global batch of `rows`
-        rows, laid out as the whole batch would be.
-
-        Args:
-            leaf: this process's rows (a NumPy array).
-            rows: the global batch's rows.
-            start: the global row of `leaf`'s first row.
-
-        Returns:
-            A `jax.Array` of the global batch's shape.
-        """
+        """This process's rows (from global row `start`) of a global batch of
+        `rows` rows, as a `jax.Array` laid out as the whole batch."""
         shape = (rows,) + tuple(leaf.shape[1:])
         sharding = self.distribution.get_data_layout(shape).backend_layout
 
@@ -103,9 +77,8 @@ class DividedInput:
         return jax.make_array_from_callback(shape, sharding, rows_of_device)
 
     def rows_of(self, rows):
-        """`(start, stop)`: the rows of a global batch of `rows` rows that
-        this process's devices hold (all of them where the data axis does
-        not divide the batch, which is placed whole)."""
+        """`(start, stop)`: the rows of a global batch this process's devices
+        hold (all of them where the batch is placed whole)."""
         sharding = self.distribution.get_data_layout((rows,)).backend_layout
         ranges = sorted(
             {
@@ -212,8 +185,7 @@ class DividedInput:
         )
 
     def _remembered(self, batch, rows):
-        """`batch`, this process's rows of a global batch of `rows` rows
-        (or all of them), remembered for `place`."""
+        """`batch` (this process's rows, or all), remembered for `place`."""
         leaves = tree.flatten(batch)
         start = 0 if len(leaves[0]) == rows else self.rows_of(rows)[0]
         for leaf in leaves:
@@ -233,8 +205,7 @@ def _dumps(batch):
 
 def _share_torch_random_state(loader):
     """Process 0's torch random state (or the loader's generator's) on every
-    process: a loader's shuffle draws from it, and the JAX processes share
-    only Python's and NumPy's (`Executor.share_host_random_state`)."""
+    process, so every process's loader shuffles alike."""
     import torch
 
     generator = loader.generator
@@ -248,13 +219,7 @@ def _share_torch_random_state(loader):
 
 
 def adapter_replacements(divided, adapter_classes):
-    """`{(adapter class, "get_jax_iterator"): replacement}`: each class's
-    iterator through `divided.iterator`.
-
-    Args:
-        divided: a `DividedInput`.
-        adapter_classes: Keras's data adapter classes.
-    """
+    """`{(adapter class, "get_jax_iterator"): replacement}` through `divided`."""
 
     def replacement(previous):
         def get_jax_iterator(adapter, *args, **kwargs):

@@ -1,24 +1,20 @@
 """A script's own `keras.distribution.initialize()`, after keras_parallel's.
 
 keras_parallel may start `jax.distributed` when Keras is imported
-(`runtime.py`), and JAX raises on a second `initialize`. So Keras's JAX
-`initialize` is replaced, for the life of the process, by one that accepts
-a call agreeing with the running runtime and refuses any other.
+(`runtime.py`), and JAX raises on a second `initialize`: Keras's is replaced
+for good by one that accepts a call agreeing with the running runtime.
 """
 
 from keras_parallel.backends.jax.keras_compat import distribution_lib
 from keras_parallel.replacements import Replacements
 
-# Never restored: the runtime keras_parallel started lasts as long.
+# Never restored: the runtime lasts as long as the process.
 _kept = Replacements()
 
 
 def install():
-    """Replaces Keras's JAX `initialize` by one that accepts a second call, once.
-
-    Returns:
-        The replacement.
-    """
+    """Replaces Keras's JAX `initialize` by one that accepts a second call,
+    once; returns the replacement."""
     current = distribution_lib.initialize
     if getattr(current, "_keras_parallel_once", False):
         return current

@@ -1,32 +1,23 @@
 """The Keras internals the JAX backend reads or patches, in one place.
 
-See `keras_parallel.keras_compat` for why and how these are checked.
-Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704
-(Keras 3.10 has no `trainer.jit`; Keras 3.11 records the variables'
-shardings before keras_parallel lays them out).
+Checked as `keras_parallel.keras_compat` says, against Keras 3.15.0, 3.15.1
+and keras-nightly 3.16.0.dev2026102704 (3.10 has no `trainer.jit`; 3.11
+records the variables' shardings before keras_parallel lays them out).
 """
 
 from keras_parallel.keras_compat import find, internal
 from keras_parallel.replacement_targets import Target
 
-#: `jit` compiles Keras's step; the executor replaces it, in scope, by one
-#: that splits the step's batch inside it, without buffer donation on CPU
-#: devices (`batches.jit_splitting_batches`).
+#: `jit` compiles Keras's step (`batches.jit_splitting_batches`).
 trainer = internal("keras.src.backend.jax.trainer", "jit")
-#: `distribute_data_input` lays out each batch; replaced in scope so that a
-#: batch the data axis does not divide is placed whole, for the step to split.
-#: `initialize` starts `jax.distributed`; replaced for good once
-#: keras_parallel started it from a cluster's variables, so that a script's
-#: own `keras.distribution.initialize()` still runs (`initialize_once`).
+#: `distribute_data_input` lays out each batch (`batches.distribute_batch`);
+#: `initialize` starts `jax.distributed` (`initialize_once`).
 distribution_lib = internal(
     "keras.src.backend.jax.distribution_lib", "distribute_data_input", "initialize"
 )
 
-#: The data adapters whose `get_jax_iterator` is replaced, in scope across
-#: processes, to divide the input (`divided_input`): a `PyDataset`'s batches
-#: made as Keras's adapter makes them (`_standardize_batch`, `py_dataset`,
-#: `shuffle`), a torch loader read from `_dataloader`; NumPy conversion and
-#: nested structures as Keras's.
+#: The data adapters whose `get_jax_iterator` `divided_input` replaces, and
+#: what it reads of Keras's to make batches as Keras does.
 _adapters = "keras.src.trainers.data_adapters"
 _ADAPTER_CLASSES = (
     ("array_data_adapter", "ArrayDataAdapter"),
@@ -43,11 +34,9 @@ internal(f"{_adapters}.py_dataset_adapter", "PyDatasetAdapter._standardize_batch
 data_adapter_utils = internal(f"{_adapters}.data_adapter_utils", "get_numpy_iterator")
 tree = internal("keras.src.tree", "flatten", "map_structure")
 
-#: Keras's saving converts every variable with this module's
-#: `convert_to_numpy` (`keras.src.backend` up to 3.15, `keras.src.backend.ops`
-#: in 3.16); across processes, replaced while a model is saved by one that
-#: returns the values every process gathered first
-#: (`processes.gathered_for_saving`).
+#: The module whose `convert_to_numpy` Keras's saving calls
+#: (`keras.src.backend` up to 3.15, `keras.src.backend.ops` from 3.16;
+#: `processes.gathered_for_saving`).
 _backend = internal("keras.src.backend")
 numpy_conversion = (
     _backend if hasattr(_backend, "convert_to_numpy") else find(_backend, "ops")
@@ -105,12 +94,10 @@ REPLACED = (
 
 #: Attributes of Keras objects the JAX backend reads or sets.
 OBJECT_ATTRIBUTES = {
-    # The planned layout and the placed value of a variable (`apply`).
     "keras.Variable": ("_layout", "_value"),
-    # Keras's JAX fit stores its step state here after each step;
-    # DistributedModel stores it untracked (model.py).
+    # DistributedModel stores Keras's JAX step state untracked (model.py).
     "keras.Model (after fit)": ("_jax_state",),
-    # The input divided between processes (`divided_input.py`).
+    # `divided_input.py`.
     "PyDatasetAdapter": ("py_dataset", "shuffle"),
     "TorchDataLoaderAdapter": ("_dataloader",),
 }

@@ -1,9 +1,7 @@
 """Reads an `OrbaxCheckpoint` into the layout of each variable it restores.
 
-Every leaf of the saved `model.get_state_tree()` is asked for as a
-`jax.ShapeDtypeStruct` carrying its variable's sharding, so Orbax reads each
-device's part and nothing else, whatever mesh the checkpoint was saved on,
-and assigning the restored arrays moves nothing.
+Each saved leaf is asked for with its variable's sharding, so Orbax reads
+only each device's part, whatever mesh it was saved on.
 """
 
 import difflib
@@ -17,11 +15,8 @@ _MODEL_GROUPS = ("trainable_variables", "non_trainable_variables")
 
 
 def restore(model, path):
-    """Restores one step's folder of an `OrbaxCheckpoint` into `model`.
-
-    Args:
-        model: a built `keras.Model`.
-        path: the folder of one step (it holds `pytree/`).
+    """Restores one step's folder (it holds `pytree/`) of an
+    `OrbaxCheckpoint` into a built `model`.
 
     Raises:
         ValueError: the model is not built, or the checkpoint's variables or
@@ -35,25 +30,19 @@ def restore(model, path):
             "first (call it on a batch, or `model.build(input_shape)`)."
         )
     _build_optimizer(model)
-    # Under the caller's `orbax.checkpoint.v1.Context`, if any (to bound the
-    # bytes read at once, say).
+    # Under the caller's `orbax.checkpoint.v1.Context`, if any.
     saved = _ocp.metadata(path, checkpointable_name="pytree").metadata
     pairs = _match(model, saved, path)
     abstract = _abstract_tree(saved, pairs)
     loaded = _ocp.load_checkpointables(path, {"pytree": abstract})["pytree"]
-    # Assigned only once everything is read: a failed read leaves the model
-    # as it was.
+    # Assigned once all is read: a failed read leaves the model unchanged.
     for variable, keys in pairs:
         variable.assign(_leaf(loaded, keys))
 
 
 def _build_optimizer(model):
-    """Builds an unbuilt optimizer, so its state has variables to restore into.
-
-    Keras builds the optimizer at the first `fit`; restoring before it would
-    drop the optimizer's state. Its slots take their variable's layout
-    (Keras's `add_variable_from_reference`), so they are made sharded.
-    """
+    """Builds an unbuilt optimizer (Keras builds it at the first `fit`), so
+    its state has variables to restore into."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or optimizer.built:
         return
@@ -87,16 +76,11 @@ def _flatten(tree, prefix=()):
 
 
 def _match(model, saved, path):
-    """Pairs each variable with the key path of its saved leaf.
+    """`[(variable, key tuple of its saved leaf)]`.
 
-    The model's own variables must match the checkpoint's one to one. The
-    optimizer's are matched without the optimizer's name (the first part of
-    their path), which Keras numbers per process (`adam`, `adam_1`). Metric
-    variables are restored where both have them: Keras makes some only at
-    the first `fit`, and resets them every epoch.
-
-    Returns:
-        A list of `(variable, key tuple)` pairs.
+    The optimizer's variables are matched without the optimizer's name,
+    which Keras numbers per process (`adam`, `adam_1`). Metric variables are
+    restored where both have them: Keras makes some only at the first `fit`.
     """
     pairs = []
     for group, variables in _groups(model).items():
@@ -111,8 +95,7 @@ def _match(model, saved, path):
             if group == "optimizer_variables":
                 name = _without_owner(name)
             wanted[name] = variable
-        # An uncompiled model, or a weights-only checkpoint, restores the
-        # weights alone.
+        # An uncompiled model or a weights-only checkpoint: weights alone.
         if group in _MODEL_GROUPS or (
             group == "optimizer_variables" and leaves and wanted
         ):
@@ -180,10 +163,8 @@ def _describe_layout(leaf):
 
 
 def _abstract_tree(saved, pairs):
-    """The checkpoint's tree, each leaf asked for in its variable's layout.
-
-    A leaf no variable restores is skipped (`PLACEHOLDER`): it is not read.
-    """
+    """The checkpoint's tree, each leaf in its variable's layout; a leaf no
+    variable restores is a `PLACEHOLDER`, not read."""
     wanted = {keys: variable for variable, keys in pairs}
 
     def abstract(keys, leaf):

@@ -10,25 +10,14 @@ from keras_parallel.keras_compat import Distribution
 class PlannedDistribution(Distribution):
     """A `keras.distribution.Distribution` that answers from a `ShardingPlan`.
 
-    It differs from the user's distribution in two ways that make `fit` equal
-    one-device training:
-
-    - A batch whose size the data axis does not divide (`batch_size=100`
-      over 8 devices, or the last batch of an epoch) is placed whole on
-      every device rather than refused or padded, and split inside the
-      step (`batches.jit_splitting_batches`): every sample counts once, and
-      BatchNorm sees the true batch.
-    - Output keys resolve by path suffix (`d2/output` for `net/block/d2`).
-
-    Args:
-        distribution: the user's distribution (mesh, batch axis).
-        plan: the `ShardingPlan` resolved for the model.
+    Unlike the user's `distribution`, it places whole a batch the data axis
+    does not divide (`batches`), and resolves output keys by path suffix.
     """
 
     def __init__(self, distribution, plan):
-        # Across processes every process reads the whole data set and feeds
-        # its own rows of each global batch (`batches.distribute_batch`): Keras must
-        # not shard the data itself (it would refuse NumPy arrays).
+        # Across processes each process feeds its own rows
+        # (`batches.distribute_batch`): Keras must not shard the data too
+        # (it would refuse NumPy arrays).
         super().__init__(
             distribution.device_mesh,
             plan.batch_axis,
@@ -49,12 +38,8 @@ class PlannedDistribution(Distribution):
         return TensorLayout(axes, self.device_mesh)
 
     def batch_sharding(self):
-        """The sharding that splits a batch's rows over the data axis.
-
-        Returns:
-            A `jax.sharding.NamedSharding`, or `None` where the data axis
-            has one device (nothing to split).
-        """
+        """The `NamedSharding` splitting a batch's rows over the data axis, or
+        `None` where that axis has one device."""
         if self.plan.data_parallel_size == 1:
             return None
         return jax.sharding.NamedSharding(
@@ -65,8 +50,8 @@ class PlannedDistribution(Distribution):
     def get_variable_layout(self, variable):
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
-        # A variable created while running (a lazily built optimizer or
-        # metric) starts replicated; the next plan moves it if a key says so.
+        # Made while running (a lazily built optimizer): replicated until
+        # the next plan.
         return TensorLayout([None] * len(variable.shape), self.device_mesh)
 
     def get_tensor_layout(self, path):

@@ -1,10 +1,8 @@
 """What the JAX executor does differently when several processes run.
 
-Under `jax.distributed` one mesh spans every process's devices, and each
-process runs the same script over the same data. This module gives process
-0's weights to every process (`broadcast_values`), places arrays each
-transferring only its own devices' shards (`place`), fetches global values
-whole (`fetch`), and holds the collectives; in one process, none is used.
+Under `jax.distributed` one mesh spans every process's devices. This module
+holds the collectives, and places and fetches process-spanning arrays; in
+one process none of it is used.
 """
 
 import contextlib
@@ -23,30 +21,16 @@ def is_multi_process():
 
 
 def broadcast_values(values):
-    """Process 0's values on every process.
-
-    Args:
-        values: a list of NumPy arrays (the same shapes on every process).
-
-    Returns:
-        The list, with process 0's contents.
-    """
+    """Process 0's `values` (NumPy arrays, the same shapes on every process)
+    on every process."""
     if not is_multi_process() or not values:
         return values
     return list(multihost_utils.broadcast_one_to_all(list(values)))
 
 
 def place(value, sharding):
-    """Lays out a value that every process holds whole.
-
-    Args:
-        value: a NumPy array (or anything `np.asarray` takes) with the same
-            contents on every process.
-        sharding: a `jax.sharding.Sharding` over the (global) mesh.
-
-    Returns:
-        A `jax.Array` of `value`'s global shape.
-    """
+    """Lays out a value every process holds whole, each process sending
+    only its own devices' shards."""
     if not is_multi_process():
         return jax.device_put(value, sharding)
     host = np.asarray(value)
@@ -54,15 +38,8 @@ def place(value, sharding):
 
 
 def broadcast_bytes(payload, src=0):
-    """Process `src`'s `payload` (bytes) on every process: two broadcasts.
-
-    Args:
-        payload: the bytes to send (read on process `src` only).
-        src: the sending process.
-
-    Returns:
-        Process `src`'s bytes.
-    """
+    """Process `src`'s `payload` (bytes, read there only) on every process:
+    two broadcasts."""
     if not is_multi_process():
         return payload
     is_source = jax.process_index() == src
@@ -77,14 +54,8 @@ def broadcast_bytes(payload, src=0):
 
 
 def allgather_bytes(payload):
-    """Every process's `payload` (bytes) on every process: two all-gathers.
-
-    Args:
-        payload: this process's bytes (any length).
-
-    Returns:
-        A list of every process's bytes, by process index.
-    """
+    """Every process's `payload` (bytes, any length) on every process, by
+    process index: two all-gathers."""
     if not is_multi_process():
         return [payload]
     lengths = np.asarray(
@@ -110,12 +81,8 @@ def reduce_sum(value):
 class CoordinationStore:
     """`jax.distributed`'s key-value store (its coordination service).
 
-    Reached through `jax._src.distributed.global_state.client`, the client
-    `jax.distributed.initialize` made: JAX gives it no public name (its own
-    `multihost_utils` and Orbax read it there). Its `key_value_set` (with
-    `allow_overwrite`), `key_value_try_get`, `key_value_set_bytes`,
-    `blocking_key_value_get_bytes` and `key_value_delete` are in every JAX
-    we claim (0.7 and later).
+    JAX gives its client no public name: it is read where JAX's own
+    `multihost_utils` and Orbax read it. The methods used exist from JAX 0.7.
     """
 
     def __init__(self):
@@ -134,10 +101,8 @@ class CoordinationStore:
                 return None
             raise
 
-    #: A `take` waits this long at a time for its key, then again: Python
-    #: runs its signal handlers between waits (a launcher's SIGTERM is
-    #: handled within a second; a process that failed ends the others
-    #: through the launcher, not through this wait).
+    #: A `take` waits this long at a time, so that Python runs its signal
+    #: handlers (a launcher's SIGTERM) between waits.
     TAKE_WAIT_MS = 1_000
 
     def put_bytes(self, key, payload):
@@ -145,8 +110,7 @@ class CoordinationStore:
         self._client.key_value_set_bytes(key, payload)
 
     def take_bytes(self, key):
-        """The bytes under `key` once another process wrote them; the key
-        is deleted (each is read once)."""
+        """The bytes under `key`, once written; the key is then deleted."""
         while True:
             try:
                 payload = self._client.blocking_key_value_get_bytes(
@@ -167,14 +131,8 @@ def barrier():
 
 
 def fetch(value):
-    """The whole value of a (possibly process-spanning) array, on the host.
-
-    Args:
-        value: a `jax.Array`, or anything else (returned unchanged).
-
-    Returns:
-        A NumPy array.
-    """
+    """The whole value of a (possibly process-spanning) `jax.Array`, as a
+    NumPy array; anything else unchanged."""
     if not isinstance(value, jax.Array):
         return value
     if value.is_fully_addressable or value.is_fully_replicated:
@@ -186,14 +144,12 @@ def fetch(value):
 def gathered_for_saving(variables):
     """Keras's saving, on every process, of variables split across processes.
 
-    Every process gathers the whole value of each variable that it does not
-    hold whole (a collective: every process must save, in the same order),
-    then Keras's `convert_to_numpy` hands those values to the saving code,
-    which only process 0 lets write.
+    Each process gathers the variables it does not hold whole (a collective:
+    every process must save), and Keras's `convert_to_numpy` returns them.
 
     Args:
-        variables: every variable the save may read (model, optimizer,
-            metrics), in the same order on every process.
+        variables: every variable the save may read, in the same order on
+            every process.
     """
     gathered = {}
     for variable in variables:
@@ -216,12 +172,8 @@ def gathered_for_saving(variables):
 def check_same_plan(plan):
     """Refuses processes that were given different distributions.
 
-    Every process compares a digest of its plan (mesh, batch axis, every
-    variable's layout) with every other's, so that all of them raise,
-    rather than some training on while the others wait forever.
-
-    Args:
-        plan: this process's `ShardingPlan`.
+    Every process compares its plan's digest with every other's, so all of
+    them raise rather than some training while the others wait for ever.
 
     Raises:
         ShardingError: on every process, naming the processes that differ.

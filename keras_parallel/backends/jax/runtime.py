@@ -1,10 +1,7 @@
 """The multi-process JAX runtime, started from the environment.
 
-`initialize_from_environment` starts `jax.distributed` through
-`keras.distribution.initialize()` with what `cluster_environments` reads
-from the launcher's variables. It must run before the first device query,
-which fixes a one-process runtime for good, so it runs as soon as Keras is
-imported, and under `keras-parallel launch` before the script too.
+It must start before the first device query, which fixes a one-process
+runtime for good, so it starts as soon as Keras is imported.
 """
 
 import os
@@ -21,19 +18,11 @@ CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 
 
 def cluster_arguments(environ=None):
-    """`jax.distributed.initialize`'s arguments, where several processes run.
-
-    Args:
-        environ: the variables to read; `os.environ` when None.
-
-    Returns:
-        `{"coordinator_address", "num_processes", "process_id"}` computed
-        from the detected cluster environment, or None where none is
-        detected or it names one process.
+    """`jax.distributed.initialize`'s arguments read from `environ` (default
+    `os.environ`), or None unless it names several processes.
 
     Raises:
-        ClusterEnvironmentError: a variable of the environment is wrong; it
-            is named.
+        ClusterEnvironmentError: a variable of the environment is wrong.
     """
     env = cluster_environments.detect_cluster_environment(environ)
     if env is None or env.world_size() <= 1:
@@ -49,29 +38,18 @@ def wanted(environ=None):
 def initialize_from_environment():
     """Starts `jax.distributed` as the environment says, once.
 
-    CPU devices talk over gloo (JAX's CPU collectives), so several processes
-    also work on a machine without accelerators. The arguments are
-    keras_parallel's, not JAX's own cluster detection: JAX finds SLURM's and
-    Open MPI's (from `OMPI_MCA_orte_hnp_uri`, which a plain `mpirun` of
-    Open MPI 5 does not set) on ports of its own choosing, and not
-    torchelastic's; ours are the same in every case and for every backend.
-    JAX still restricts each process to its local rank's GPU under SLURM
-    (`local_device_ids`), as its own `initialize()` does.
-
-    Process 0 first checks that the coordinator's port is free, and every
-    process waits for the others at most `KERAS_PARALLEL_JOIN_TIMEOUT`
-    seconds (`join_deadline`): JAX's own wait would abort the process
-    minutes later without naming a variable.
-
-    Returns:
-        True if several processes run now.
+    CPU devices talk over gloo. JAX's own cluster detection is not used: it
+    misses torchelastic and a plain Open MPI 5 `mpirun`. The wait for the
+    others is bounded by `KERAS_PARALLEL_JOIN_TIMEOUT`: JAX's own would
+    abort minutes later without naming a variable. Returns whether several
+    processes run now.
 
     Raises:
         ClusterEnvironmentError: a variable of the environment is wrong, or
             process 0's port is taken.
     """
     import jax
-    import keras  # First: importing it may start the runtime (see above).
+    import keras  # First: importing it may start the runtime.
 
     # Asking for devices would start a one-process runtime: ask the client.
     if jax.distributed.is_initialized():
@@ -84,8 +62,7 @@ def initialize_from_environment():
     if arguments["process_id"] == 0:
         join_deadline.check_port_free(env, address)
     if CPU_COLLECTIVES_ENV not in os.environ:
-        # JAX is imported already (by Keras): its flag is read when its
-        # backend starts, so set through its config, not the environment.
+        # JAX is imported already: set its config, not the environment.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     with join_deadline.join_deadline(env, address):
         keras.distribution.initialize(
@@ -102,7 +79,7 @@ def _accept_the_scripts_own_call():
     try:
         from keras_parallel.backends.jax import initialize_once
     except ImportError:
-        # The backend's `keras_compat` is half made: its own import of Keras
-        # started the runtime. A script's own call then gets JAX's error.
+        # `keras_compat` is half made (its import of Keras started the
+        # runtime): a script's own call then gets JAX's error.
         return
     initialize_once.install()

@@ -1,39 +1,23 @@
 """TensorFlow devices: what `DataParallel()` spans, and logical CPU devices.
 
-TensorFlow can split one CPU into several logical devices, so that a
-`MirroredStrategy` (and the tests, and `keras-parallel demo`) can run data
-parallel on a machine without a GPU. The split must be made before the
-TensorFlow runtime starts, once per process: hence a function here that both
-the demo and the test set-up (`tests/tf_devices.py`) call.
+Split logical CPU devices let a `MirroredStrategy` (the tests, the demo)
+run data parallel without a GPU; the split must come before TensorFlow starts.
 """
 
 import tensorflow as tf
 
 
 def local_devices():
-    """The device names one `DataParallel()` with no argument spans.
-
-    Returns:
-        The local GPUs (`["gpu:0", "gpu:1"]`) if there are any, else the
-        logical CPU devices (`["cpu:0"]`, or `["cpu:0", ..., "cpu:3"]` after
-        `split_cpu(4)`).
-    """
+    """The device names one `DataParallel()` with no argument spans: the
+    local GPUs (`["gpu:0", "gpu:1"]`), else the logical CPU devices."""
     gpus = tf.config.list_logical_devices("GPU")
     devices = gpus or tf.config.list_logical_devices("CPU")
     return [normalize(d.name) for d in devices]
 
 
 def normalize(device):
-    """A device name as `local_devices` writes it.
-
-    Args:
-        device: a string such as `"cpu:1"`, `"CPU:1"`, `"/device:GPU:0"`,
-            `"/job:localhost/replica:0/task:0/device:CPU:1"`, or an object
-            with a `name` (a `tf.config.LogicalDevice`).
-
-    Returns:
-        `"<type>:<index>"` in lower case, e.g. `"cpu:1"`.
-    """
+    """A device name, or an object with a `name`, as `local_devices` writes
+    it: `"/job:localhost/replica:0/task:0/device:CPU:1"` as `"cpu:1"`."""
     name = getattr(device, "name", device)
     name = str(name).rsplit("device:", 1)[-1]
     return name.lstrip("/").lower()

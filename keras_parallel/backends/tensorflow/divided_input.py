@@ -1,10 +1,7 @@
 """Each TensorFlow worker prepares only its share of the input.
 
-Across workers, `get_tf_dataset` gives this worker's rows only, cut into its
-replicas' pieces (docs/design.md, docs/multihost.md). Rows travel through the
-coordination service's store, polled, not a collective: `tf.data` runs the
-generators in threads of its own. Deleting a `tf.data` iterator waits for its
-thread holding Python's lock, so no reader may wait for ever (`close`).
+Rows travel through the coordination service's store, polled, not by a
+collective: `tf.data` runs the generators in threads of its own.
 """
 
 import atexit
@@ -25,31 +22,25 @@ from keras_parallel.input import kinds, rank_loader, tf_data_rows
 
 _END = "keras_parallel: end of the epoch"
 _KEY = "keras_parallel/input"
-#: Each generator run's keys start with its number; the same on every
-#: worker, which starts the same runs in the same order.
+#: A generator run's number, the same on every worker: its keys' prefix.
 _runs = itertools.count()
 _collects_at_exit = False
 
 
-# The `tf.data` iterators left in reference cycles (Keras's, after a
-# `Preempted` exit or an error) are deleted here, while their threads can
-# still run Python: at the interpreter's own final collection a `tf.data`
-# thread that calls Python is stopped, and the iterator's deletion waits for
-# it for ever (seen: 1 exit in about 15 of a preempted worker).
 def _collect_before_exit():
-    """Deletes the `tf.data` iterators left in reference cycles while the
-    process's threads can still run Python (see the comment above). Registered
-    after TensorFlow's own exit handlers, it runs before them."""
+    """Deletes `tf.data` iterators left in reference cycles (after a
+    `Preempted` exit or an error) while their threads can still run Python.
+
+    At the interpreter's final collection, deleting one waits for ever (1
+    exit in about 15 of a preempted worker). Registered after TensorFlow's
+    exit handlers, it runs before them.
+    """
     gc.collect()
 
 
 class DividedInput:
-    """Divides the input of the runs under one strategy between its workers.
-
-    Args:
-        strategy: the `ExactMultiWorkerMirroredStrategy`.
-        store: the workers' key-value store (`workers.CoordinationStore`).
-    """
+    """Divides the input of the runs under one strategy between its workers,
+    through their `workers.CoordinationStore`."""
 
     def __init__(self, strategy, store):
         self.strategy = strategy
@@ -58,12 +49,10 @@ class DividedInput:
         self.replicas = strategy.num_replicas_in_sync
         self.per_worker = self.replicas // self.workers
         self.store = store
-        #: The kinds of input seen: `{"DataLoader": True, "tf.data": False}`
-        #: (whether each was divided).
+        #: Each kind of input seen, and whether it was divided.
         self.kinds = {}
         self._rank_loaders = {}  # id(loader) -> (loader, its rank loader)
-        #: Counts the entry points closed (`close`); a run's readers give
-        #: up once it differs from theirs.
+        #: Entry points closed; a run's readers give up once it changes.
         self._generation = 0
         self._waiting = set()  # The threads of the readers inside `_take`.
         global _collects_at_exit
@@ -71,17 +60,10 @@ class DividedInput:
             _collects_at_exit = True
             atexit.register(_collect_before_exit)
 
-    # When an entry point ends (its last batch, an error, a preemption's
-    # exit), a reader still waiting for another worker's rows gives up:
-    # deleting a `tf.data` iterator waits for its reading thread while
-    # holding Python's lock (at the latest at exit), and a reader waiting for
-    # a worker already gone would hold the process for ever.
     def close(self, wait_s=2.0):
-        """Ends the readers of this entry point's runs (see the comment above).
-
-        Args:
-            wait_s: how long to wait for them to leave the store's poll.
-        """
+        """Ends the readers of this entry point's runs, waiting `wait_s` for
+        them: deleting a `tf.data` iterator waits for its reading thread while
+        holding Python's lock, and a reader of a worker gone waits for ever."""
         self._generation += 1
         deadline = time.monotonic() + wait_s
         while self._waiting and time.monotonic() < deadline:
@@ -91,13 +73,12 @@ class DividedInput:
         """A data adapter's `get_tf_dataset`, divided where it can be.
 
         Args:
-            adapter: Keras's data adapter.
             previous: Keras's `get_tf_dataset` of the adapter's class (run
                 first: it computes the adapter's element spec).
 
         Returns:
-            A `tf.data.Dataset`: Keras's own, or one of this worker's
-            replicas' pieces, marked `PER_REPLICA`.
+            Keras's data set, or one of this worker's replicas' pieces,
+            marked `PER_REPLICA`.
         """
         keras_dataset = previous(adapter)
         kind = kinds.input_kind(adapter)
@@ -118,9 +99,8 @@ class DividedInput:
         return dataset
 
     def _tf_data_pieces(self, adapter, dataset):
-        """This worker's rows of a `tf.data` pipeline's batches, cut into
-        its replicas' pieces, or the pipeline itself where it cannot be
-        divided."""
+        """This worker's replicas' pieces of a `tf.data` pipeline's batches,
+        or the pipeline where it cannot be divided."""
         own = tf_data_rows.rows_dataset(dataset, self.rows_of)
         self.kinds.setdefault("tf.data", own is not None)
         tf_workers.say_input(adapter, divided=own is not None)
@@ -131,8 +111,7 @@ class DividedInput:
         def pieces(rows, part):
             starts = tf.stack([rows * k // self.replicas for k in slots])
             sizes = tf.stack([rows * (k + 1) // self.replicas for k in slots]) - starts
-            # A whole batch (a worker's share would be empty) is cut at the
-            # slices' own rows.
+            # A whole batch (a worker's share would be empty): cut as is.
             whole = tf.shape(tree.flatten(part)[0], out_type=tf.int64)[0] == rows
             starts = tf.where(whole, starts, tf.cumsum(sizes, exclusive=True))
             return tf.data.Dataset.from_tensor_slices((starts, starts + sizes)).map(
@@ -144,25 +123,21 @@ class DividedInput:
         return divided
 
     def _slots(self, worker=None):
-        """The global slices of a batch a worker's replicas hold, in their
-        order: replica `r` of worker `w` holds slice `r * W + w` of `R`
-        (slice `k`: rows `[rows * k // R, rows * (k + 1) // R)`), the
-        order Keras's `predict` puts the replicas' outputs back in across
-        workers (`_multi_worker_concat`)."""
+        """The global slices a worker's replicas hold: replica `r` of worker
+        `w` holds slice `r * W + w` of `R`, the order Keras's `predict`
+        concatenates outputs in across workers (`_multi_worker_concat`)."""
         worker = self.worker if worker is None else worker
         return [r * self.workers + worker for r in range(self.per_worker)]
 
     def rows_of(self, rows, worker=None):
-        """A worker's rows of a global batch of `rows` rows: the ranges of
-        its replicas' slices (`_slots`), in increasing order."""
+        """`[(start, stop)]`: a worker's rows of a global batch, by replica."""
         return [
             (rows * k // self.replicas, rows * (k + 1) // self.replicas)
             for k in self._slots(worker)
         ]
 
     def _pieces(self, batches):
-        """Each `(global rows, this worker's rows)` cut into its replicas'
-        pieces, one element per replica."""
+        """Each `(global rows, this worker's rows)` cut into replicas' pieces."""
         for rows, local in batches:
             start = 0
             for first, stop in self.rows_of(rows):
@@ -188,11 +163,11 @@ class DividedInput:
     def _pydataset_batches(self, adapter, run):
         dataset = adapter.py_dataset
         order = kinds.epoch_order(adapter, dataset.num_batches)
-        pending = self.worker  # This worker's next position to make.
+        pending = self.worker  # This worker's next position.
         try:
             for group in range(0, len(order), self.workers):
-                # Every worker makes its batch of the group at once, then
-                # takes its rows of the others'.
+                # Each worker makes one batch of the group, then takes its
+                # rows of the others'.
                 mine = group + self.worker
                 own = None
                 if mine < len(order):
@@ -224,12 +199,8 @@ class DividedInput:
             self._end_for_others(run, handed)
 
     def _end_for_others(self, run, position, end=None):
-        """Tells the workers that would wait for this worker's `position`
-        that the run ended there: it ran out, or it was abandoned (its
-        iterator deleted, as Keras does when `fit` ends, while another
-        worker's prefetch, further ahead, waits for a batch this worker
-        will not make; deleting that worker's iterator would wait for its
-        reading thread for ever)."""
+        """Tells the other workers the run ended at `position`: it ran out,
+        or was abandoned while another worker's prefetch waits for it."""
         if end is None or position < end:
             self._send_to_others(run, position, _END)
 
@@ -244,13 +215,9 @@ class DividedInput:
         for batch in iterator:
             yield sizes.popleft(), _numpy(batch)
 
-    # ------------------------------------------------------ the exchange
     def _hand_out(self, run, position, batch):
-        """Puts every other worker's rows of `batch` in the store.
-
-        Returns:
-            `(rows, this worker's rows)`.
-        """
+        """Puts every other worker's rows of `batch` in the store; returns
+        `(rows, this worker's rows)`."""
         rows = _rows(batch)
         own = None
         for worker in range(self.workers):
@@ -273,8 +240,8 @@ class DividedInput:
         self.store.set(key, base64.b64encode(payload).decode("ascii"))
 
     def _take(self, run, position):
-        """This worker's part at `position`, waiting for its maker (`_END`
-        once the run's entry point is closed)."""
+        """This worker's part at `position`, once made (`_END` once the
+        entry point is closed)."""
         key = f"{_KEY}/{run[0]}/{position}/{self.worker}"
         wait = 0.0005
         reader = threading.get_ident()
@@ -293,10 +260,8 @@ class DividedInput:
 
     def _share_torch_random_state(self, loader):
         """Worker 0's torch random state (or the loader's generator's) on
-        every worker, shared when the data set is made (in the main thread,
-        where a collective may run): a loader's shuffles draw from it, each
-        epoch alike on every worker, and the workers share only Python's
-        and NumPy's (`Executor.share_host_random_state`)."""
+        every worker, so loaders shuffle alike; shared in the main thread,
+        where a collective may run."""
         import torch
 
         generator = loader.generator
@@ -312,8 +277,8 @@ class DividedInput:
 
 
 def _numpy(batch):
-    """A batch with NumPy leaves, as Keras converts them (torch tensors too);
-    a loader's list as the tuple Keras's element spec has."""
+    """A batch with NumPy leaves, as Keras converts them; a list as a tuple,
+    as Keras's element spec has."""
     batch = next(data_adapter_utils.get_numpy_iterator([batch]))
     return tuple(batch) if isinstance(batch, list) else batch
 
@@ -328,9 +293,8 @@ def _rows(batch):
 
 
 def _piece_spec(signature):
-    """The element spec of a replica's piece: Keras's batch spec with any
-    batch size, or None where a leaf is not a dense tensor (sparse, ragged,
-    absent: read whole, as Keras reads it)."""
+    """Keras's batch spec with any batch size, or None where a leaf is not a
+    dense tensor (read whole, as Keras reads it)."""
     if signature is None:
         return None
     leaves = tree.flatten(signature)
@@ -344,13 +308,7 @@ def _piece_spec(signature):
 
 
 def adapter_replacements(divided, adapter_classes):
-    """`{(adapter class, "get_tf_dataset"): replacement}`: each class's data
-    set through `divided.dataset`.
-
-    Args:
-        divided: a `DividedInput`.
-        adapter_classes: Keras's data adapter classes.
-    """
+    """`{(adapter class, "get_tf_dataset"): replacement}` through `divided`."""
 
     def replacement(previous):
         def get_tf_dataset(adapter):

@@ -1,4 +1,4 @@
-"""The model built from the data set's element spec: no batch drawn (a generator loses none)."""
+"""The model built from the data set's element spec: no batch drawn, none lost."""
 
 import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
@@ -13,21 +13,10 @@ from keras_parallel.building import build_from_inputs, is_built
 def built_from_element_spec(keras_maybe_symbolic_build):
     """Keras's `_maybe_symbolic_build`, drawing no batch.
 
-    Under a strategy, Keras builds the model (and its loss, metrics and
-    optimizer) from a first batch it draws from a new iterator of the data
-    set, then starts the epoch on another. A Python generator is not
-    replayed: that first iterator's prefetch consumes it, and the epoch sees
-    only the two batches Keras peeked (4 batches of 64 trained as 2). And
-    Keras averages the replicas' first batches, which fails when they differ
-    in size (43 samples over 4 replicas: 11/11/11/10). Only shapes and
-    dtypes matter for the build, so it is built from the data set's element
-    spec (what one device traces its step with): no batch is drawn.
-
-    Args:
-        keras_maybe_symbolic_build: the method it replaces.
-
-    Returns:
-        The replacing `_maybe_symbolic_build`.
+    Under a strategy Keras builds from a batch of a fresh iterator: that
+    iterator's prefetch consumes a generator (4 batches of 64 trained as
+    2), and replicas' batches of different sizes (11/11/11/10) fail to
+    average. The build needs only the data set's element spec.
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -42,17 +31,8 @@ def built_from_element_spec(keras_maybe_symbolic_build):
 def model_built_from_element_spec(model):
     """`model._maybe_symbolic_build` while a plan is applied: drawing no batch.
 
-    Through `ShardingCallback`, a run after the first starts with the
-    strategy still attached but outside `patched` (entered at `set_model`,
-    after Keras built): Keras's own build would draw a batch (see
-    `built_from_element_spec`). Set on the model itself, it holds for
-    every run until the plan is released.
-
-    Args:
-        model: the Keras model.
-
-    Returns:
-        The function to set as the model's `_maybe_symbolic_build`.
+    A `ShardingCallback` run after the first starts outside `patched`, so
+    the model itself holds it until the plan is released.
     """
 
     def _maybe_symbolic_build(iterator=None, data_batch=None):
@@ -65,12 +45,9 @@ def model_built_from_element_spec(model):
 def late_distribution(model):
     """Keras's `TFEpochIterator._get_iterator`, distributing late if need be.
 
-    Keras distributes the data set, and builds the optimizer and metrics
-    under the strategy, when `fit` starts, with the model's strategy at that
-    moment. A `ShardingCallback` applies the strategy just after (at
-    `set_model`), so on the first run both are done here, when the epoch
-    starts and before any step is traced: the batches are split, and no
-    variable is created inside a traced replica step.
+    Keras distributes the data and builds under the strategy when `fit`
+    starts; a `ShardingCallback` applies it just after (`set_model`), so its
+    first run does both here, before any step is traced.
     """
 
     def _get_iterator(self):
@@ -81,15 +58,14 @@ def late_distribution(model):
             return dataset
         if not isinstance(dataset, tf.distribute.DistributedDataset):
             if tf_workers.strategy() is not None and isinstance(adapter, DATA_ADAPTERS):
-                # Made before the scope: made again, divided between the
-                # workers (`divided_input`; nothing was drawn from it).
+                # Made before the scope: remade, divided between workers.
                 dataset = adapter.get_tf_dataset()
             dataset = strategy.experimental_distribute_dataset(dataset)
             self._distributed_dataset = dataset
             _build_from_element_spec(model, strategy, dataset)
         elif not is_built(model):
             # `predict` of an unbuilt model: Keras would build it inside the
-            # traced replica step, where no variable can be made.
+            # replica step, where no variable can be made.
             _build_from_element_spec(model, strategy, dataset)
         tf_workers.say_input(adapter)  # Once per kind; a divided one said so.
         return dataset
@@ -98,12 +74,8 @@ def late_distribution(model):
 
 
 def _symbolic_spec(spec):
-    """One replica's spec of a batch element; `None` for an absent one.
-
-    A distributed data set over several local replicas gives a
-    `PerReplicaSpec`, whose replicas' specs differ only in device; Keras
-    feeds an absent value (no sample weights) as an empty `Optional`.
-    """
+    """One replica's spec of a batch element; `None` for an absent one
+    (Keras's empty `Optional`)."""
     if isinstance(spec, values_lib.PerReplicaSpec):
         spec = spec._component_specs[0]
     if isinstance(spec, tf.OptionalSpec):
@@ -112,16 +84,8 @@ def _symbolic_spec(spec):
 
 
 def _build_from_element_spec(model, strategy, dataset):
-    """Builds the model, loss, metrics and optimizer from the data's shapes.
-
-    Nothing is drawn from `dataset` (a generator's batches are not lost).
-
-    Args:
-        model: the Keras model.
-        strategy: the exact strategy it runs under.
-        dataset: a `tf.data.Dataset` or a distributed one (its
-            `element_spec`: batch dimension `None`, as one device traces).
-    """
+    """Builds the model, loss, metrics and optimizer from `dataset`'s element
+    spec (plain or distributed), drawing nothing from it."""
     batch = tree.map_structure(_symbolic_spec, dataset.element_spec)
     if not isinstance(batch, (tuple, list)):
         batch = (batch,)
@@ -131,9 +95,6 @@ def _build_from_element_spec(model, strategy, dataset):
             build_from_inputs(model, batch[0])
         else:
             model._symbolic_build(data_batch=batch)
-    # The compiled metrics are built now, under the strategy: those Keras
-    # makes (`"accuracy"`) are born on-read, but a metric given as an
-    # object made its variables in its `__init__`, as plain variables the
-    # replicas of one worker would share (its History value that worker's
-    # alone). They are moved under the strategy like the model's.
+    # A metric given as an object made plain variables in its `__init__`,
+    # which one worker's replicas would share: moved like the model's.
     tf_variables.move_variables(model, strategy)

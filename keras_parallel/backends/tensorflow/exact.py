@@ -1,10 +1,8 @@
 """Exact data parallelism under `tf.distribute.MirroredStrategy`.
 
 Keras divides each replica's mean loss by the replica count, which weighs
-an uneven last batch wrong (docs/tensorflow.md). `patched(model)`, entered
-while an entry point runs, weights it by the replica's share `n / N`, makes
-each step's logs global, and installs the fixes of `element_spec_build`,
-`summed_gradients` and `collective_keys`; steps traced inside keep them.
+an uneven batch wrong (docs/tensorflow.md); `patched(model)` weights it by
+the replica's share `n / N` and makes each step's logs global.
 """
 
 import contextlib
@@ -43,21 +41,11 @@ from keras_parallel.replacements import replaced
 def exact_scale_loss(keras_scale):
     """Keras's `scale_loss_for_distribution`, weighted by the replica's samples.
 
-    The gradient is that of the replica's mean loss times `n / N`: summed
-    over replicas (as the optimizer sums gradients), `sum(losses) / N`, the
-    one-device mean. The value is `R` (the replica count) times that, so
-    that its mean over the replicas is the global mean loss: what a custom
-    `train_step` that feeds `compute_loss`'s result to a metric (Keras's
-    guide does) or returns it must log, as one device would. Keras's own
-    scaling returns the gradient's value, so such a step logs `1 / R` of
-    the loss. Outside an exact replica it is `keras_scale`, what was there
-    before.
-
-    Args:
-        keras_scale: the function it replaces.
-
-    Returns:
-        The exact `scale_loss_for_distribution`.
+    The gradient is that of the replica's mean loss times `n / N`, which
+    summed over replicas is the one-device mean. The value is `R` times
+    that, so that a custom `train_step` logging `compute_loss`'s result logs
+    the global loss (with Keras's scaling, `1 / R` of it). Outside an exact
+    replica it is `keras_scale`.
     """
 
     def scale_loss(value):
@@ -74,15 +62,8 @@ def exact_scale_loss(keras_scale):
 def exact_unscale_loss(keras_unscale):
     """The inverse of `exact_scale_loss`: a replica's own mean loss.
 
-    Keras feeds this, with weight `n`, to the loss metric, whose state is
-    summed over replicas: the metric reads the global mean. A replica with
-    no sample (a batch smaller than the device count) gives 0 with weight 0.
-
-    Args:
-        keras_unscale: the function it replaces.
-
-    Returns:
-        The exact `unscale_loss_for_distribution`.
+    Keras feeds this, with weight `n`, to the loss metric, summed over
+    replicas: the global mean. A replica with no sample gives 0, weight 0.
     """
 
     def unscale_loss(value):
@@ -90,8 +71,7 @@ def exact_unscale_loss(keras_unscale):
         if share is None:
             return keras_unscale(value)
         if _COUNTED_PER_STEP.on:
-            # Weighted 1 per replica and step (`per_output_losses`): the
-            # value whose mean over the replicas is the global loss.
+            # Weighted 1 per replica and step (`per_output_losses`).
             return value
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         weight = tf.cast(share, value.dtype) * replicas
@@ -112,18 +92,10 @@ _COUNTED_PER_STEP = _CountedPerStep()
 def per_output_losses(keras_call):
     """Keras's `CompileLoss.call`, its per-output loss logs made exact.
 
-    With several outputs, Keras logs each output's loss (`main_loss`, ...)
-    in a mean weighted by the batch's static size, unknown (`None`, weight
-    1) when the batches differ in size: one device averages the steps'
-    losses. A replica's update of weight 1 must then carry the value whose
-    mean over the replicas is the step's global loss, not the replica's own
-    mean (on a 6/5 split that weighs the 5 rows like the 6).
-
-    Args:
-        keras_call: the method it replaces.
-
-    Returns:
-        The exact `CompileLoss.call`.
+    With several outputs Keras logs each output's loss weighted by the
+    batch's static size, `None` (weight 1) when batch sizes differ. Each
+    replica's update must then carry a value whose mean over the replicas is
+    the global loss, not its own mean (a 6/5 split would weigh 5 rows as 6).
     """
 
     def call(self, y_true, y_pred, sample_weight=None):
@@ -142,14 +114,10 @@ def per_output_losses(keras_call):
 def global_logs(model, keras_reduce_per_replica):
     """Keras's `reduce_per_replica`, with each step's logs made global.
 
-    Keras averages the replicas' metric results, which on a 22/21 split is
-    not the global accuracy. When a step returns the model's metrics (the
-    default `train_step` and `test_step`, the same test Keras uses at epoch
-    end; or `{m.name: m.result() for m in self.metrics}`, as Keras's guide
-    writes a custom step, the compiled metrics then nested in one dict),
-    they are read instead in cross-replica context, where each metric's
-    on-read state sums over replicas: the numbers one device would log, in
-    the structure the step returned.
+    Keras averages the replicas' metric results, on a 22/21 split not the
+    global accuracy. When a step returns the model's metrics (the default
+    steps, or a guide-style `{m.name: m.result() for m in self.metrics}`),
+    they are read in cross-replica context, where on-read state sums.
     """
 
     def reduce_per_replica(values, strategy, reduction):
@@ -185,10 +153,8 @@ def _flat_keys(logs):
 def synchronized_batchnorm(model):
     """BatchNormalization over the global batch while the scope is entered.
 
-    Keras's `synchronized=True` all-reduces each BatchNormalization layer's
-    sums and counts across replicas (three scalar-per-channel all-reduces per
-    layer and step), so the statistics are those of the whole batch, as on
-    one device, whatever the split.
+    Keras's `synchronized=True` all-reduces each layer's sums and counts
+    (three all-reduces per layer and step), as one device sees the batch.
     """
     layers = [
         layer
@@ -203,9 +169,8 @@ def synchronized_batchnorm(model):
 def patched(model):
     """Keras's loss scaling and log reduction made exact, for this model.
 
-    Entered around every entry point (see `TensorFlowExecutor.scope`); steps
-    traced inside it keep the exact versions. Each wraps what was there on
-    entry (Keras's, or an outer model's exact version).
+    Entered around every entry point (`TensorFlowExecutor.scope`); steps
+    traced inside keep the exact versions. Each wraps what was there.
     """
     trainer, iterator = keras_tf_trainer, keras_tf_trainer.TFEpochIterator
     with replaced(

@@ -1,7 +1,7 @@
 """The Keras internals the TensorFlow backend reads or patches, in one place.
 
-See `keras_parallel.keras_compat` for why and how these are checked.
-Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
+Checked as `keras_parallel.keras_compat` says, against Keras 3.15.0, 3.15.1
+and keras-nightly 3.16.0.dev2026102704.
 """
 
 from tensorflow.python.distribute import (
@@ -13,10 +13,7 @@ from tensorflow.python.distribute import (
 from keras_parallel.keras_compat import find, internal, internal_any
 from keras_parallel.replacement_targets import Target
 
-#: Keras's TensorFlow trainer. Replaced in scope (`exact.patched`):
-#: `reduce_per_replica` (global logs), `TensorFlowTrainer._maybe_symbolic_build`
-#: (built from the element spec), `TFEpochIterator._get_iterator`
-#: (the strategy chosen after the iterator was made).
+#: Keras's TensorFlow trainer (`exact.patched`).
 trainer = internal(
     "keras.src.backend.tensorflow.trainer",
     "reduce_per_replica",
@@ -27,32 +24,25 @@ TensorFlowTrainer = internal_any(
     "keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "Trainer"
 )
 find(TensorFlowTrainer, "_maybe_symbolic_build", "TensorFlowTrainer")
-#: Keras's per-replica loss scaling; replaced in scope by exact weights.
+#: Keras's per-replica loss scaling (`exact.exact_scale_loss`).
 loss = internal(
     "keras.src.losses.loss",
     "scale_loss_for_distribution",
     "unscale_loss_for_distribution",
 )
-#: Keras's compiled loss: several outputs' losses are each logged in a mean
-#: weighted by the batch's static size (`exact.per_output_losses`).
+#: Keras's compiled loss (`exact.per_output_losses`).
 CompileLoss = internal(
     "keras.src.trainers.compile_utils", "CompileLoss.call"
 ).CompileLoss
-#: Keras's data set of NumPy arrays, whose `get_tf_dataset` draws the epoch's
-#: shuffle; across workers it is drawn from NumPy (`workers.numpy_shuffles`).
+#: Keras's NumPy array adapter, which shuffles (`workers.numpy_shuffles`).
 ArrayDataAdapter = internal(
     "keras.src.trainers.data_adapters.array_data_adapter",
     "ArrayDataAdapter.get_tf_dataset",
 ).ArrayDataAdapter
-#: Keras's nested-structure utilities (flatten / map_structure).
 tree = internal("keras.src.tree", "flatten", "map_structure")
 
-#: The data adapters whose `get_tf_dataset` is replaced, in scope across
-#: workers, to divide the input (`divided_input`): a `PyDataset`'s batches
-#: made as Keras's adapter makes them (`_standardize_batch`, `py_dataset`,
-#: `shuffle`), a torch loader read from `_dataloader`, a generator through
-#: `get_numpy_iterator`; the element spec Keras computed
-#: (`_output_signature`); NumPy conversion as Keras's.
+#: The data adapters whose `get_tf_dataset` `divided_input` replaces, and
+#: what it reads of Keras's to make batches as Keras does.
 _adapters = "keras.src.trainers.data_adapters"
 _ADAPTER_CLASSES = (
     ("generator_data_adapter", "GeneratorDataAdapter"),
@@ -69,30 +59,24 @@ internal(
     f"{_adapters}.generator_data_adapter", "GeneratorDataAdapter.get_numpy_iterator"
 )
 data_adapter_utils = internal(f"{_adapters}.data_adapter_utils", "get_numpy_iterator")
-#: The layer whose batch statistics `exact.synchronized_batchnorm` makes global.
+#: Made synchronized by `exact.synchronized_batchnorm`.
 BatchNormalization = internal(
     "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
 ).BatchNormalization
 
-#: Keras's TensorFlow optimizer, whose gradients are summed over the replicas
-#: before it clips or accumulates them (`summed_gradients.gradients_summed_first`).
+#: Its gradients are summed first (`summed_gradients`).
 TFOptimizer = internal(
     "keras.src.backend.tensorflow.optimizer",
     "TFOptimizer._backend_apply_gradients",
     "TFOptimizer._all_reduce_sum_gradients",
 ).TFOptimizer
 
-#: TensorFlow's own internals (not Keras's), replaced in scope: the mirrored
-#: strategies' `_use_merge_call` (off while summed gradients are applied,
-#: `summed_gradients.no_merge_call_on_summed`) and the collectives' instance keys (fixed
-#: when traced inside control flow, `collective_keys.static_keys_in_control_flow`).
+#: TensorFlow's own internals (`summed_gradients`, `collective_keys`).
 MirroredExtended = mirrored_strategy.MirroredExtended
 CollectiveAllReduceExtended = collective_all_reduce_strategy.CollectiveAllReduceExtended
 CollectiveReplicaLauncher = cross_device_utils.CollectiveReplicaLauncher
 
-#: Keras's saving builds throwaway reference objects (an `Optimizer`, a
-#: `Metric`, with variables) the first time it meets each kind of object;
-#: made early, outside any strategy (`saving_references.py`).
+#: Keras's saving, whose reference objects `saving_references.py` makes early.
 saving_lib = internal("keras.src.saving.saving_lib", "get_attr_skipset")
 
 #: What the TensorFlow backend replaces, through `keras_parallel.replacements`.
@@ -210,11 +194,8 @@ REPLACED = (
 
 #: Attributes of Keras objects the TensorFlow backend reads or sets.
 OBJECT_ATTRIBUTES = {
-    # The tf.Variable behind a Keras variable, re-created under the strategy,
-    # and how Keras maps its aggregation and synchronization to TF's.
+    # `variables.py`.
     "keras.Variable": ("_value", "_map_aggregation", "_map_synchronization"),
-    # The strategy a model and its optimizer run under, and how the
-    # optimizer keys its slots by variable.
     "keras.Model": ("_distribute_strategy", "_symbolic_build", "_flatten_layers"),
     "keras.optimizers.Optimizer": (
         "_distribution_strategy",
@@ -223,20 +204,16 @@ OBJECT_ATTRIBUTES = {
     ),
 }
 
-#: Attributes of Keras objects that exist only in some states; listed, not
-#: checked on objects.
+#: Attributes of Keras objects that exist only in some states: not checked.
 UNCHECKED_ATTRIBUTES = {
-    # The distributed data set of Keras's TensorFlow epoch iterator, made
-    # when it first iterates; the model is built from its element spec
-    # (`element_spec_build.py`).
+    # Made when it first iterates (`element_spec_build.py`).
     "TFEpochIterator (iterating)": ("_distributed_dataset",),
 }
 
 #: Private names of TensorFlow keras_parallel uses.
 OTHER_PRIVATE_NAMES = {
-    # A per-replica spec's components: one replica's spec
-    # (`element_spec_build.py`).
+    # `element_spec_build.py`.
     "tf.distribute PerReplicaSpec": ("_component_specs",),
-    # The cluster a MultiWorkerMirroredStrategy runs on (`workers.py`).
+    # `workers.py`.
     "MultiWorkerMirroredStrategy.extended": ("_num_workers", "_task_id"),
 }

@@ -1,7 +1,6 @@
 """Keras's saving inside a `tf.distribute` strategy, its reference objects made outside.
 
-A save from a callback during `fit` runs on worker 0 alone, inside the
-strategy's scope; see `made_outside`.
+A save from a callback during `fit` runs on worker 0 alone, inside the scope.
 """
 
 import contextlib
@@ -27,14 +26,10 @@ def made_outside():
     """Keras's saving, with its reference objects made before this scope.
 
     Each save builds an `Optimizer(1.0)`, a `Metric`, ... to learn which
-    attributes to skip (Keras means to cache what it learns, but reads the
-    cache under another key than it writes it: every save builds them
-    again). Built inside a `tf.distribute` strategy (a save from a callback
-    during `fit`, on worker 0 alone), their variables are made by a
-    collective the other workers never join, and the workers' collectives
-    mismatch ("Collective instance ... expected type 0 ... but got type 1").
-    Entered before the strategy's scope, this learns what to skip once,
-    outside, and serves it to the saves made within.
+    attributes to skip (Keras's cache is read under another key than it is
+    written). Inside a strategy on worker 0 alone, their variables are made
+    by a collective the other workers never join ("Collective instance ...
+    expected type 0 ... but got type 1"), so this learns them once, outside.
     """
     original = saving_lib.get_attr_skipset
     for kind in _SAVED_KINDS:

@@ -7,8 +7,7 @@ import tensorflow as tf
 
 from keras_parallel.backends.tensorflow.keras_compat import tree
 
-#: Set on a data set whose elements are this worker's replicas' pieces
-#: (`divided_input`), in replica order.
+#: Marks a data set of this worker's replicas' pieces (`divided_input`).
 PER_REPLICA = "_keras_parallel_per_replica"
 
 _replica = threading.local()
@@ -18,12 +17,9 @@ _key_bases = itertools.count(start=100_000, step=100_000)
 class ExactRun:
     """Mixed into a mirrored strategy: its replicas know their share of the batch.
 
-    Its `run` computes, in each replica, `n / N` (this replica's samples over
-    the global batch, all-reduced over every replica of every worker) and
-    keeps it, for the losses that replica computes, in a thread-local (each
-    replica runs in its own thread). Its `experimental_distribute_dataset`
-    copies each batch before splitting it, so that no step writes into the
-    caller's arrays.
+    `run` keeps each replica's `n / N` (its samples over the global batch)
+    in a thread-local for its losses; `experimental_distribute_dataset`
+    copies each batch first, so that no step writes into the caller's arrays.
     """
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -51,27 +47,15 @@ class ExactRun:
     def experimental_distribute_dataset(self, dataset, options=None):
         """The data set distributed, each batch first copied into TF's memory.
 
-        TensorFlow splits each global batch over the replicas
-        (`RebatchDatasetV2`) in slices that share the batch's buffer (where
-        a slice is aligned). A batch yielded by Python (a
-        `keras.utils.PyDataset`, a generator, `Dataset.from_generator`) is
-        a NumPy array whose memory TensorFlow wraps without copying (where
-        it is 64-byte aligned). Kernels never write into a buffer
-        TensorFlow does not own, but `Tensor::RefCountIsOne` asks that of
-        the slice, not of the batch's buffer under it: once the replica's
-        slice is the last reference, a kernel of the step (mse's gradient)
-        writes its output there, into the caller's `y`. A `PyDataset`'s
-        next epoch then trains on gradients (weights 2.5e-2 off one device
-        after two) and `evaluate` on the arrays reads them (loss 4.7 for
-        9.26). Plain Keras under `MirroredStrategy` does the same; one
-        device does not split. Alignment depends on where NumPy allocated
-        the arrays: the failure came and went from run to run. One host
-        copy of each global batch gives the slices memory TensorFlow owns
-        and no one else reads.
+        TensorFlow wraps an aligned NumPy batch (from Python: a `PyDataset`,
+        a generator) without copying, and the replicas' slices share it.
+        `Tensor::RefCountIsOne` asks about the slice, not the buffer, so a
+        step's kernel (mse's gradient) writes its output into the caller's
+        `y` (weights 2.5e-2 off one device after two epochs; plain Keras
+        too). It depends on alignment, so it came and went between runs.
         """
         if getattr(dataset, PER_REPLICA, False):
-            # Each worker's own rows, cut into its replicas' pieces
-            # (`divided_input`): one input pipeline per worker.
+            # This worker's replicas' pieces (`divided_input`).
             copied = _copying(dataset)
             return self.distribute_datasets_from_function(lambda _: copied)
         return super().experimental_distribute_dataset(
@@ -79,15 +63,8 @@ class ExactRun:
         )
 
     def _split_batch(self, structure):
-        """Splits a global batch that was not distributed over the replicas.
-
-        Keras distributes its data set when the model's strategy is known
-        before `fit` makes its iterator. Through `ShardingCallback` the
-        strategy arrives later (at `set_model`), so the first `fit` feeds
-        whole global batches; they are split here, in contiguous slices in
-        replica order (as `tf.distribute` splits a batch), rather than
-        computed in full on every replica.
-        """
+        """Splits a global batch that was not distributed, in contiguous
+        slices in replica order (a `ShardingCallback`'s first `fit`)."""
         num = self.num_replicas_in_sync
 
         def value_fn(context):
@@ -107,25 +84,13 @@ class ExactRun:
 
 
 class ExactMirroredStrategy(ExactRun, tf.distribute.MirroredStrategy):
-    """A `MirroredStrategy` whose replicas know their share of the batch.
-
-    It is a `MirroredStrategy` in every other respect (see `ExactRun`).
-
-    Args:
-        devices: the device names, e.g. `["cpu:0", "cpu:1"]`.
-
-    Example:
-
-    >>> strategy = ExactMirroredStrategy(["cpu:0", "cpu:1"])
-    >>> with patched(model):
-    ...     model.fit(x, y, batch_size=64)
-    """
+    """A `MirroredStrategy` over `devices` (`["cpu:0", "cpu:1"]`) whose
+    replicas know their share of the batch (`ExactRun`)."""
 
     def __init__(self, devices):
-        # TensorFlow numbers the collective groups of each MirroredStrategy
-        # from the same start, so a second strategy over another device set
-        # would join the first one's group ("joining a group with size 4, but
-        # that group has size 2"). Each strategy gets its own key range.
+        # TensorFlow numbers every MirroredStrategy's collective groups from
+        # the same start, so a second one would join the first's group
+        # ("joining a group with size 4, but that group has size 2").
         self._collective_key_base = next(_key_bases)
         super().__init__(devices=devices)
 
@@ -134,23 +99,15 @@ _strategies = {}
 
 
 def strategy_for(devices):
-    """The `ExactMirroredStrategy` over these devices, one per device set.
-
-    Shared by every model of the process that uses the same devices: a
-    strategy is cheap to share and costs collective keys to make.
-
-    Args:
-        devices: TensorFlow device names, e.g. `["/device:CPU:0", ...]`.
-    """
+    """The `ExactMirroredStrategy` over `devices`, one per device set: each
+    one made costs collective keys."""
     key = tuple(devices)
     if key not in _strategies:
         _strategies[key] = ExactMirroredStrategy(list(key))
     return _strategies[key]
 
 
-#: The dtypes TensorFlow can wrap a NumPy array's memory as (no copy), that
-#: `tf.raw_ops.DeepCopy` copies; other tensors (strings, an absent value's
-#: variant) are made by TensorFlow and kept as they are.
+#: The dtypes whose NumPy memory TensorFlow may wrap, and `DeepCopy` copies.
 _ALIASABLE = frozenset(
     (
         tf.bool,
@@ -173,9 +130,8 @@ _ALIASABLE = frozenset(
 
 
 def _copying(dataset):
-    """`dataset` with each of its tensors (a sparse or ragged one's components
-    too) copied into memory TensorFlow allocates (see
-    `ExactRun.experimental_distribute_dataset`); same elements and spec."""
+    """`dataset` with each tensor (composites' components too) copied into
+    memory TensorFlow owns (`ExactRun.experimental_distribute_dataset`)."""
 
     def copy(tensor):
         if tensor.dtype in _ALIASABLE:

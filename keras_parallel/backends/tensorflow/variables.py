@@ -1,10 +1,7 @@
 """Moving an existing Keras model's state into (and out of) a tf.distribute strategy.
 
-A `MirroredStrategy` mirrors only variables created under its `scope()`. A
-Keras variable wraps one `tf.Variable` (`variable._value`), so each gets a
-new one made under the scope from its old value, swapped in: whatever holds
-the Keras variable keeps holding it. The cost, once per plan, is in
-docs/tensorflow.md.
+A strategy mirrors only variables made under its scope, so each Keras
+variable's `tf.Variable` is re-created there and swapped in.
 """
 
 import tensorflow as tf
@@ -13,14 +10,8 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 
 
 def all_variables(model):
-    """Every Keras variable of the model, its optimizer and its metrics.
-
-    Includes the states of random seed generators (`Dropout`), which the
-    sharding plan does not list but which a replica also reads and writes.
-
-    Returns:
-        A list of Keras variables without duplicates, in a stable order.
-    """
+    """Every Keras variable of the model, its optimizer and its metrics
+    (seed generators' states too), once each, in a stable order."""
     groups = [model.variables]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
@@ -46,18 +37,12 @@ def move_variables(model, strategy=None):
     """Re-creates the model's variables under `strategy`, keeping their values.
 
     Args:
-        model: a built `keras.Model` (its optimizer and metrics may be built).
+        model: a built `keras.Model`.
         strategy: a `tf.distribute.Strategy`, or `None` to bring the
             variables back to plain one-device `tf.Variable`s.
 
     Returns:
         How many variables were moved.
-
-    Example:
-
-    >>> strategy = tf.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
-    >>> move_variables(model, strategy)     # now mirrored over two devices
-    >>> move_variables(model, None)         # back on one device
     """
     variables = [v for v in all_variables(model) if v._value is not None]
     if strategy is not None:
@@ -68,13 +53,11 @@ def move_variables(model, strategy=None):
         return 0
     optimizers = _optimizers_of(model)
     old_keys = {id(v): [(o, o._var_key(v)) for o in optimizers] for v in variables}
-    # Create every new variable first and swap after: if creating one fails,
-    # the model still holds its old variables, all of them.
+    # All created before any swap: a failure leaves the old variables.
     created = [_recreate(v, strategy) for v in variables]
     for variable, new in zip(variables, created, strict=True):
         variable._value = new
-    # The TensorFlow optimizer keys its per-variable state by the
-    # `tf.Variable`'s id, which just changed.
+    # The optimizer keys its state by the `tf.Variable`'s id, now changed.
     for variable in variables:
         for optimizer, old_key in old_keys[id(variable)]:
             _rekey(optimizer, old_key, optimizer._var_key(variable))
@@ -88,8 +71,7 @@ def _is_distributed(value):
 def _read(value):
     """The value of a (possibly distributed) `tf.Variable`, as one tensor."""
     if _is_distributed(value):
-        # Under its strategy's scope an on-read variable (a metric's total)
-        # reads as the aggregate over replicas, which is its true value.
+        # In its strategy's scope an on-read variable reads its aggregate.
         with value.distribute_strategy.scope():
             return tf.convert_to_tensor(value.read_value())
     return tf.convert_to_tensor(value.read_value())
@@ -111,9 +93,9 @@ def _recreate(variable, strategy):
     with strategy.scope(), tf.init_scope():
         new = tf.Variable(value, **kwargs)
         if old.synchronization == _ON_READ or kwargs["synchronization"] == _ON_READ:
-            # Each replica of an on-read variable starts with the initial
-            # value, so a SUM variable would read `num_replicas` times too
-            # large. Assigning in cross-replica context splits it right.
+            # Each replica starts with the initial value, so a SUM variable
+            # would read `num_replicas` times too large; assigning in
+            # cross-replica context splits it right.
             new.assign(value)
     return new
 

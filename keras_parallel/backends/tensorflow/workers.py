@@ -1,10 +1,7 @@
 """TensorFlow across processes: one `MultiWorkerMirroredStrategy` from `TF_CONFIG`.
 
-`TF_CONFIG` comes from `keras-parallel launch`, or from the detected cluster
-environment (`fill_tf_config`). The strategy must exist before TensorFlow
-runs anything, so `initialize_from_environment` makes it once Keras is
-imported, and the executor reuses it. The workers also share worker 0's
-random state and draw the epoch's shuffle from NumPy (`numpy_shuffles`).
+The strategy must exist before TensorFlow runs anything, so it is made once
+Keras is imported, and the executor reuses it.
 """
 
 import contextlib
@@ -24,30 +21,18 @@ from keras_parallel.replacements import replaced
 
 _strategy = None
 
-# Read without TensorFlow (the import hook decides with them before
-# importing this module); kept here under their old names.
+# Old names: `tf_config` reads them without TensorFlow, for the import hook.
 cluster_workers = tf_config.cluster_workers
 wanted = tf_config.wanted
 
 
 def fill_tf_config(environ=None):
-    """Sets `TF_CONFIG` from the cluster environment, where it is unset.
-
-    Under `keras-parallel launch` it is set already; under `srun` or
-    `mpirun` it is not, and the detected environment gives every worker's
-    `host:port` and this worker's index.
-
-    Args:
-        environ: the variables to read and fill; `os.environ` when None.
-
-    Returns:
-        The names it set: `["TF_CONFIG"]`, or `[]` where it was set, no
-        environment is detected (or `KERAS_PARALLEL_CLUSTER=off`), or it
-        names one process.
+    """Sets `TF_CONFIG` in `environ` (default `os.environ`) from the cluster
+    environment (`srun`, `mpirun`) where it is unset; returns the names set.
 
     Raises:
         ClusterEnvironmentError: a variable of the environment is wrong, or
-            it does not name every worker's host; it is named.
+            it does not name every worker's host.
     """
     environ = os.environ if environ is None else environ
     if environ.get("TF_CONFIG", "").strip():
@@ -67,20 +52,13 @@ def strategy():
 def initialize_from_environment():
     """Creates the multi-worker strategy `TF_CONFIG` asks for, once.
 
-    Call it before TensorFlow runs anything. An unset `TF_CONFIG` is filled
-    from the cluster environment first (`fill_tf_config`). This worker's
-    port is checked first, and the wait for the other workers is bounded
-    by `KERAS_PARALLEL_JOIN_TIMEOUT` (`join_deadline`).
-
-    Returns:
-        The `ExactMultiWorkerMirroredStrategy`, or `None` if `TF_CONFIG`
-        names fewer than two workers (the CPU is still split as
-        `KERAS_PARALLEL_DEVICES_PER_PROCESS` asks).
+    Call it before TensorFlow runs anything. Returns the strategy, or
+    `None` for one worker (whose CPU is still split as `DEVICES_ENV` asks).
 
     Raises:
         RuntimeError: TensorFlow already started in this process.
         ClusterEnvironmentError: a variable of the cluster environment is
-            wrong, or this worker's port is taken; it is named.
+            wrong, or this worker's port is taken.
     """
     global _strategy
     filled = fill_tf_config() if _strategy is None else []
@@ -115,12 +93,8 @@ def initialize_from_environment():
 
 @contextlib.contextmanager
 def _bounded_join(filled):
-    """Checks this worker's port, then bounds the wait for the others.
-
-    The strategy starts this worker's server and waits for every other
-    worker (`join_deadline`). The messages name the launcher's variables
-    where `TF_CONFIG` was computed from them (`filled`), else `TF_CONFIG`.
-    """
+    """Checks this worker's port, then bounds the wait for the others; the
+    messages name the launcher's variables where `filled`, else `TF_CONFIG`."""
     workers = tf_config.TFConfigEnvironment()
     index = workers.global_rank()  # An index out of the list fails here.
     addresses = workers.worker_addresses()
@@ -138,9 +112,8 @@ class ExactMultiWorkerMirroredStrategy(
 ):
     """A `MultiWorkerMirroredStrategy` whose replicas know their share.
 
-    The replicas of every worker: each worker's GPUs, else its logical CPU
-    devices (all of them, where TensorFlow's own takes one). See
-    `strategies.ExactRun` for the exact loss weighting.
+    Its replicas are each worker's GPUs, else all its logical CPU devices
+    (TensorFlow's own takes one).
     """
 
     def __init__(self):
@@ -184,17 +157,11 @@ def worker_of(device):
 
 
 def sum_over_workers(strategy, value, src=None):
-    """The sum over workers of `value`: one all-reduce.
+    """The sum over workers of `value`, in float64 NumPy: one all-reduce.
 
-    Args:
-        strategy: the multi-worker strategy.
-        value: a NumPy array (or number), the same shape on every worker.
-        src: if given, only this worker contributes (a broadcast); else
-            every worker does, once (its first replica).
-
-    Returns:
-        A float64 NumPy array. Exact for integers below 2**24 (the values
-        travel as float32, which every device's all-reduce supports).
+    Only worker `src` contributes where given (a broadcast). Exact for
+    integers below 2**24: values travel as float32, which every device's
+    all-reduce supports.
     """
     value = np.asarray(value, np.float32)
     zeros = np.zeros_like(value)
@@ -213,11 +180,8 @@ def sum_over_workers(strategy, value, src=None):
 
 
 def broadcast_bytes(strategy, payload, src=0):
-    """Worker `src`'s `payload` (bytes) on every worker: two all-reduces.
-
-    The length first, then the bytes, each byte a float32 to which only
-    worker `src` contributes.
-    """
+    """Worker `src`'s `payload` (bytes) on every worker: two all-reduces,
+    of the length, then of the bytes."""
     is_source = strategy.worker_index == src
     length = int(sum_over_workers(strategy, len(payload) if is_source else 0, src))
     buffer = np.zeros(length, np.uint8)
@@ -252,8 +216,7 @@ class CoordinationStore:
             return None
 
     def delete(self, key):
-        """Forgets `key` (read once: the store keeps what it is not told to
-        forget)."""
+        """Forgets `key`, once read (the store keeps all else)."""
         from tensorflow.python.eager import context
 
         context.context().delete_config_key_value(key)
@@ -274,10 +237,9 @@ def _numpy_shuffle(value, seed=None, name=None):
 def numpy_shuffles(adapter_class):
     """Keras's array data set shuffles with NumPy while this scope is entered.
 
-    Keras's TensorFlow data set of NumPy arrays draws each epoch's
-    permutation with `tf.random.shuffle`, whose state no two processes
-    share. Traced with NumPy's permutation instead (the one Keras's other
-    backends draw), every worker draws the same one from the shared state.
+    Keras draws each epoch's permutation with `tf.random.shuffle`, whose
+    state no two processes share; from NumPy's shared state every worker
+    draws the same one.
 
     Args:
         adapter_class: Keras's `ArrayDataAdapter`.
@@ -301,8 +263,7 @@ def say_input(adapter, divided=False):
     Args:
         adapter: Keras's data adapter.
         divided: whether each worker prepares only its share
-            (`divided_input`); else every worker reads it whole, each
-            keeping its rows of every global batch (docs/multihost.md).
+            (`divided_input`), rather than reading it whole.
     """
     strategy = _strategy
     if strategy is None or adapter is None:

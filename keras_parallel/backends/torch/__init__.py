@@ -1,8 +1,6 @@
-"""The PyTorch backend: DDP (DataParallel) or DTensors (ModelParallel) under Keras's trainer.
+"""The PyTorch backend: DDP (DataParallel) or DTensors (ModelParallel).
 
-`executor` holds the contract's hooks, `group` the process group, `steps`
-what each rank does inside one Keras step under DDP, and `model_parallel`
-the hooks for DTensor variables (ModelParallel, `shard=`); `keras_compat`
-lists every Keras internal this backend reads or patches. The module map is
-in docs/design.md.
+`executor` holds the contract's hooks, `steps` a rank's work in one step,
+`model_parallel` the DTensor hooks, and `keras_compat` every Keras internal
+read or patched. The module map is in docs/design.md.
 """

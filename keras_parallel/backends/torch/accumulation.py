@@ -1,10 +1,8 @@
 """Keras's gradient accumulation under DDP: one gradient all-reduce per update.
 
-A micro-step's forward runs under DDP's `no_sync()` (DDP decides in its
-forward whether the backward reduces), so the accumulators hold each rank's
-own sums; the update step averages them over the ranks in one all-reduce.
-That is exact: each rank's output gradient is scaled so that the ranks' mean
-is the global gradient (`steps.RankSteps._scale`). DTensor variables need none.
+DDP decides in its forward whether the backward reduces, so a micro-step's
+forward runs under `no_sync()` and the update step averages the accumulated
+sums in one all-reduce (exact: `steps.RankSteps._scale`).
 """
 
 import contextlib
@@ -16,29 +14,15 @@ from keras_parallel.replacements import Replacements
 
 
 def accumulation_steps(optimizer):
-    """The optimizer's `gradient_accumulation_steps`, or 0 without it.
-
-    Args:
-        optimizer: a Keras optimizer, or `None`.
-
-    Returns:
-        An int: `k >= 2` when Keras accumulates gradients over `k` steps.
-    """
+    """`optimizer`'s `gradient_accumulation_steps` (`k >= 2`), or 0 without it."""
     return int(getattr(optimizer, "gradient_accumulation_steps", None) or 0)
 
 
 def is_micro_step(optimizer):
     """Whether the coming `optimizer.apply` only accumulates (no update).
 
-    Keras updates on the step whose `_iterations + 1` is a multiple of `k`
-    (`_iterations` counts every step, micro-steps included).
-
-    Args:
-        optimizer: a Keras optimizer, or `None`.
-
-    Returns:
-        True on the first `k - 1` steps of every `k`; False without
-        accumulation.
+    Keras updates when `_iterations + 1` (micro-steps included) is a multiple
+    of `k`.
     """
     steps = accumulation_steps(optimizer)
     if not steps:
@@ -49,12 +33,8 @@ def is_micro_step(optimizer):
 class AccumulatedGradients:
     """Skips DDP's all-reduce on micro-steps; averages accumulators on updates.
 
-    Installed by `RankSteps` with the per-rank steps, only when the model's
-    optimizer accumulates gradients and DDP reduces them.
-
     Args:
         model: the Keras model (its `optimizer` is read at `install`).
-        world_size: the number of ranks.
     """
 
     def __init__(self, model, world_size):
@@ -82,27 +62,16 @@ class AccumulatedGradients:
         self._replacements.restore()
 
     def forward_context(self, ddp):
-        """What the DDP forward runs under: `no_sync()` on a micro-step.
-
-        Args:
-            ddp: the `DistributedDataParallel` wrapper.
-
-        Returns:
-            A context manager.
-        """
+        """What the DDP forward runs under: `no_sync()` on a micro-step."""
         if is_micro_step(getattr(self.model, "optimizer", None)):
             return ddp.no_sync()
         return contextlib.nullcontext()
 
     @torch.no_grad()
     def average_accumulators(self, optimizer):
-        """Makes each accumulator the mean over ranks of its local sums.
+        """Makes each accumulator its mean over the ranks, in one all-reduce.
 
-        One all-reduce of all of them, flattened. Before the optimizer's
-        first `build` there are none.
-
-        Args:
-            optimizer: the Keras optimizer.
+        There are none before the optimizer's first `build`.
         """
         accumulators = [
             v.value

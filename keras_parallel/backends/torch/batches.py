@@ -1,9 +1,7 @@
-"""The global batch, seen from one rank: its rows and its identity.
+"""The global batch seen from one rank: its rows, its size and its identity.
 
-Every rank iterates the same global batches; these helpers say which rows a
-rank computes, cut them out of any nest of arrays, give the size of the data
-an epoch iterates (which the ranks compare before the epoch starts), and a
-cheap checksum that lets the ranks check they are looking at the same batch.
+Every rank iterates the same global batches; these helpers cut a rank's rows
+out, and let the ranks check cheaply that their data and batches agree.
 """
 
 import numpy as np
@@ -14,18 +12,9 @@ from keras_parallel.backends.torch.keras_compat import ArrayDataAdapter, tree
 
 
 def split_rows(rows, world_size, rank):
-    """The rows of a global batch that one rank computes.
+    """`(start, stop, whole)`: one rank's rows of a batch of `rows` rows.
 
-    Args:
-        rows: the global batch size `B`.
-        world_size: the number of ranks `W`.
-        rank: this rank.
-
-    Returns:
-        `(start, stop, whole)`: the row range, and whether every rank
-        computes the whole batch (`B < W`).
-
-    Example:
+    `whole` when there are fewer rows than ranks: every rank computes them all.
 
     >>> split_rows(43, 2, 1)
     (22, 43, False)
@@ -59,9 +48,10 @@ def slice_rows(data, rows, start, stop):
 
 
 def checksum(data):
-    """A float64 sum of the first input of a batch (cheap data identity): a
-    tensor where the input is a tensor, left on its device (read on the
-    host only when the ranks compare their sums, `MetricStates.verify`)."""
+    """A float64 sum of a batch's first input: a cheap identity of the data.
+
+    A tensor stays on its device until `MetricStates.verify` reads it.
+    """
     for leaf in tree.flatten(data):
         if isinstance(leaf, torch.Tensor):
             return leaf.detach().sum(dtype=torch.float64)
@@ -71,19 +61,10 @@ def checksum(data):
 
 
 def data_size(iterator):
-    """The size of the data one rank is about to iterate for an epoch.
+    """`[rows, steps, batch_size, last_batch]` of an epoch, -1 where unknown.
 
-    Args:
-        iterator: Keras's epoch iterator (`TorchEpochIterator`).
-
-    Returns:
-        `[rows, steps, batch_size, last_batch]` as ints, -1 where unknown:
-        the rows of the data (arrays only), the steps of the epoch
-        (`steps_per_epoch`, else the batches of the data), the batch size,
-        and the size of the last batch.
-
-    Example: 1003 rows of arrays in batches of 64 give
-    `[1003, 16, 64, 43]`; a generator gives `[-1, -1, -1, -1]`.
+    `iterator` is Keras's `TorchEpochIterator`. Rows are known for arrays only:
+    1003 rows in batches of 64 give `[1003, 16, 64, 43]`.
     """
     adapter = getattr(iterator, "data_adapter", None)
     steps = _known(lambda: iterator.num_batches)
@@ -110,11 +91,7 @@ def check_same_data(sizes):
     """Raises the same `ValueError` on every rank if their data differ in size.
 
     Args:
-        sizes: one `data_size` per rank, in rank order (all ranks hold the
-            same list, gathered).
-
-    Raises:
-        ValueError: naming every rank's sizes.
+        sizes: one `data_size` per rank, in rank order (the same on every rank).
     """
     if all(s == sizes[0] for s in sizes[1:]):
         return
@@ -144,10 +121,11 @@ def _describe_size(size):
 
 
 def batch_spreads(sums):
-    """How far the ranks' batches differ, from the sums over the ranks of
-    `[1, rows, rows**2, check, check**2]`: `[rows spread, check spread]`,
-    each positive where some rank differs (a tensor, on `sums`' device:
-    nothing is read on the host)."""
+    """`[rows spread, check spread]`, each positive where some rank differs.
+
+    `sums`: `[1, rows, rows**2, check, check**2]` summed over the ranks. The
+    result stays on the device.
+    """
     ranks, total, squares, check, check_squares = sums
     rows_spread = ranks * squares - total * total - 0.5
     one = torch.ones_like(check)
@@ -161,9 +139,7 @@ def check_same_batches(spreads, rank, rows, mean_rows):
     """Raises if the ranks saw global batches of different sizes or contents.
 
     Args:
-        spreads: the largest `batch_spreads` since the last check, on the
-            host.
-        rank: this rank.
+        spreads: the largest `batch_spreads` since the last check, on the host.
         rows: the rows this rank saw since the last check.
         mean_rows: the mean of that over the ranks.
     """
@@ -181,18 +157,9 @@ def check_same_batches(spreads, rank, rows, mean_rows):
 
 
 def gathered_rows(tensor, rows, world_size):
-    """Every rank's rows of `tensor` (its outputs for its rows of a global
-    batch of `rows` rows, as `split_rows` gives them), in rank order: the
-    global batch's, on every rank.
+    """The whole batch's outputs on every rank, from each rank's `split_rows`.
 
-    Args:
-        tensor: this rank's outputs (anything else, or a scalar, is
-            returned as it is).
-        rows: the global batch's rows.
-        world_size: the number of ranks.
-
-    Returns:
-        The outputs of the whole batch.
+    A non-tensor or a scalar `tensor` is returned as it is.
     """
     if not isinstance(tensor, torch.Tensor) or not tensor.ndim:
         return tensor

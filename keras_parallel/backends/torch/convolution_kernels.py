@@ -1,10 +1,9 @@
-"""Convolutions on DTensors: what DTensor's own rules get wrong.
+"""Convolutions on DTensors, where DTensor's own rules fail.
 
-DTensor's convolution rule assumes a whole kernel, so under `shard="full"`
-a split kernel is gathered where a convolution reads it (`gathered_for_use`),
-and on a mesh of several dimensions, where torch 2.14 cannot take a
-convolution's backward pass, each process convolves its own rows
-(`LocalConvolutions`).
+DTensor's convolution rule assumes a whole kernel, so under `shard="full"` a
+split kernel is gathered for the convolution (`gathered_for_use`); on a mesh of
+several dimensions, whose convolution backward torch 2.14 refuses, each process
+convolves its own rows (`LocalConvolutions`).
 """
 
 import contextlib
@@ -14,8 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-#: The Keras layers whose op reads a kernel through DTensor's convolution
-#: rule (`gathered_for_use`).
+#: Keras layers whose op reads its kernel through DTensor's convolution rule.
 CONVOLUTIONS = (
     "Conv1D",
     "Conv2D",
@@ -45,28 +43,17 @@ def convolution_variables(model):
 
 @contextlib.contextmanager
 def gathered_for_use(variables, batch_dim):
-    """While in scope, these variables, if split over the batch axis, are read
-    gathered along it.
+    """While in scope, `variables` split over the batch axis are read gathered.
 
-    DTensor's rules for a matmul, an einsum or an embedding read a split
-    weight (each chooses between gathering it and splitting its output,
-    whichever moves less), but its convolution rule assumes a replicated
-    weight and computes each rank's output from its shard of the kernel
-    (seen under `shard="full"`: the guide's convnet failed with "shape
-    '[16, 12, 12, 24]' is invalid for input of size 13824"). So, for the
-    forward pass, each convolution's split variable holds its gathered
-    DTensor (a redistribution of its parameter, still split along any other
-    axis), which the convolution reads as a replicated weight; its gradient
-    flows back through the redistribution and is reduce-scattered to the
-    parameter's shard. The parameter is back in place before the backward
-    pass reads `variable.value.grad`. (Gathering every split variable so
-    instead made the 100 M-parameter MLP of
-    `benchmarks/bench_torch_sharding.py` 4.4 times slower and 38 % larger
-    than DTensor's own choice.)
+    DTensor's convolution rule computes each rank's output from its shard of
+    the kernel (the guide's convnet under `shard="full"`: "shape
+    '[16, 12, 12, 24]' is invalid for input of size 13824"). The gradient is
+    reduce-scattered back to the parameter, which is back in place before the
+    backward pass reads `variable.value.grad`. Gathering every split variable
+    instead made the 100 M-parameter MLP of `benchmarks/bench_torch_sharding.py`
+    4.4 times slower and 38 % larger than DTensor's own choice.
 
     Args:
-        variables: the variables read by convolutions
-            (`convolution_variables`).
         batch_dim: the index of the batch axis in the mesh.
     """
     swapped = []
@@ -105,18 +92,12 @@ _CONVOLUTION_OPS = frozenset(
 class LocalConvolutions(TorchFunctionMode):
     """While active, a convolution of DTensors is computed on local tensors.
 
-    torch 2.14's sharding strategy of `aten.convolution_backward` on a mesh
-    of two or more dimensions gives an output the step does not ask for (a
-    missing bias's gradient, the gradient of the data fed to the first
-    convolution) a placement on one mesh dimension and none on another, and
-    refuses it ("strategy position 2 mixes None with placements across mesh
-    dims: (None, Partial(sum))"): no convolution could train under
-    `ModelParallel`. A convolution needs no rule of DTensor's: its kernel
-    and bias whole (gathered), its input split along the batch at most
-    (other splits and partial sums made whole), it is each process's own
-    convolution of its rows (`_LocalConvolution`). The values are one
-    device's on torch 2.13 and 2.14 (tests/test_torch_model_parallel.py);
-    the convnet's `fit` took as long as under DTensor's own rule on 2.13.
+    On a mesh of two or more dimensions torch 2.14's strategy for
+    `aten.convolution_backward` refuses the outputs a step does not ask for
+    ("strategy position 2 mixes None with placements across mesh dims"), so
+    no convolution could train. With kernel and bias gathered and the input
+    split along the batch at most, each process convolves its own rows: one
+    device's values on torch 2.13 and 2.14, as fast as DTensor's rule on 2.13.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -135,13 +116,10 @@ def _call(func, rest, options, x, weight, bias):
 
 
 class _LocalConvolution(torch.autograd.Function):
-    """A convolution of DTensors as each process's local convolution.
+    """A convolution of DTensors as each process's local one.
 
-    Forward: the kernel and bias whole on every process, the input split
-    along the batch (dimension 0) where it was, whole elsewhere; the
-    output is laid out as that input. Backward: the local gradients of a
-    local graph; the input's goes back to the input's placements, the
-    kernel's and bias's (partial sums over the batch's shards) to theirs.
+    The output is laid out as the input; each gradient goes back to its
+    input's placements (the kernel's and bias's from partial sums).
     """
 
     @staticmethod
@@ -179,8 +157,7 @@ class _LocalConvolution(torch.autograd.Function):
         wanted = [t for t in locals_ if t is not None and t.requires_grad]
         found = torch.autograd.grad(output, wanted, grad, allow_unused=True)
         found = dict(zip(map(id, wanted), found, strict=True))
-        # The kernel's and bias's gradients are partial sums over the
-        # mesh dimensions that split the batch.
+        # The kernel's and bias's gradients: partial sums over the batch's dims.
         summed = tuple(Partial() if p.is_shard(0) else Replicate() for p in placements)
         grads = []
         for index, local in enumerate(locals_):
@@ -199,6 +176,5 @@ class _LocalConvolution(torch.autograd.Function):
 
 
 def _batch_only(placements):
-    """`placements` split along dimension 0 at most: other splits and
-    partial sums made whole."""
+    """`placements` split along dimension 0 at most, all else made whole."""
     return tuple(p if p.is_shard(0) else Replicate() for p in placements)

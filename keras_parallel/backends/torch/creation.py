@@ -1,10 +1,9 @@
 """Variables placed as they are made, inside `distribution.scope()` on torch.
 
-Keras's torch variables (Keras 3.15) do not ask the distribution for their
-layout: each would be made whole on every process. While the scope is
-entered, every floating variable laid out along a mesh axis is placed
-(`dtensor_layouts.place`, rank 0's value scattered) as soon as its value
-exists, and `compile` keeps it. Why DTensors, not FSDP2: docs/sharding.md.
+Keras 3.15's torch variables do not ask the distribution for their layout, so
+each would be made whole on every process. In scope, a floating variable laid
+out along a mesh axis is placed as soon as its value exists. Why DTensors, not
+FSDP2: docs/sharding.md.
 """
 
 import contextlib
@@ -19,17 +18,10 @@ from keras_parallel.replacements import replaced
 
 
 def split_axes(distribution, variable):
-    """The axes `distribution` lays `variable` out along, if it splits it.
+    """The axes `distribution` lays `variable` out along, or `None`.
 
-    Args:
-        distribution: the distribution whose scope is entered.
-        variable: a floating `keras.Variable` whose value was just made.
-
-    Returns:
-        One mesh axis name (or `None`) per dimension, or `None` where the
-        variable stays whole (its layout names no axis): `MeshRunner.apply`
-        places it at `compile`, as it does every variable made outside the
-        scope.
+    `None` where the layout names no axis: `MeshRunner.apply` places such a
+    variable at `compile`, as every variable made outside the scope.
     """
     layout = distribution.get_variable_layout(variable)
     axes = tuple(getattr(layout, "axes", None) or ())
@@ -42,12 +34,8 @@ def split_axes(distribution, variable):
 def placed_creation(distribution):
     """While in scope, a floating variable made whole is placed at once.
 
-    Every process must make the same variables in the same order (the same
-    script): placing one is a collective.
-
-    Args:
-        distribution: a distribution that runs on DTensors
-            (`model_parallel.runs_on_mesh`).
+    Placing is a collective: every process must make the same variables in the
+    same order.
     """
     torch_group.ensure_process_group()
     keras_mesh = distribution.device_mesh
@@ -59,8 +47,8 @@ def placed_creation(distribution):
         if not torch.is_floating_point(variable._value):
             return  # Seed-generator states stay plain, per process.
         if variable._shape is None:
-            # Made from a value, not an initializer: Keras sets the shape
-            # from it right after `_initialize`; the layout reads it now.
+            # Made from a value: Keras sets the shape only after
+            # `_initialize`, and the layout needs it now.
             variable._shape = tuple(variable._value.shape)
         axes = split_axes(distribution, variable)
         if axes is None:
@@ -70,8 +58,8 @@ def placed_creation(distribution):
 
     replacements = {
         (TorchVariable, "_initialize"): failures_named(initialize_placed),
-        # keras-nightly places a variable made from an initializer itself,
-        # there (a collective too).
+        # keras-nightly places a variable made from an initializer there
+        # (a collective too).
         (TorchVariable, "_initialize_with_initializer"): failures_named(
             TorchVariable._initialize_with_initializer
         ),
@@ -81,18 +69,10 @@ def placed_creation(distribution):
 
 
 def failures_named(initialize):
-    """`initialize`, a broken collective in it named as a step names one.
+    """`initialize`, raising a broken collective as a `PeerFailedError`.
 
-    Placing a variable is a collective: one that broke most likely means
-    another rank stopped (raised while building). It is raised as the
-    `PeerFailedError` naming that rank, rather than as gloo's "Connection
-    closed by peer".
-
-    Args:
-        initialize: a `Variable` method, `(variable, value_or_initializer)`.
-
-    Returns:
-        The method to install in its place.
+    A placement that broke most likely means another rank stopped; it is named,
+    rather than reported as gloo's "Connection closed by peer".
     """
 
     def initialize_named(variable, value):

@@ -1,10 +1,9 @@
 """`keras.distribution.list_devices()` on torch, with Keras 3.15 too.
 
-Keras 3.15 has no torch `distribution_lib`; `provide()` gives it this module,
-whose `list_devices` and `get_device_count` are Keras 3.16's (docs/torch.md).
-Only these two: with `num_processes` and `process_id`, Keras's `Distribution`
-would split the data per process itself, where keras_parallel splits each
-global batch on torch.
+`provide()` gives Keras 3.15, which has no torch `distribution_lib`, this one:
+Keras 3.16's `list_devices` and `get_device_count` only. With `num_processes`
+and `process_id` Keras would split the data per process, where keras_parallel
+splits each global batch itself.
 """
 
 import os
@@ -16,18 +15,14 @@ import torch.distributed as dist
 from keras_parallel.backends.torch.keras_compat import get_device, keras_distribution
 from keras_parallel.replacements import Replacements
 
-# Never restored: the functions stay for the life of the process, as a Keras
-# that has them keeps its own.
+# Never restored, as a Keras that has these functions keeps its own.
 _provided = Replacements()
 
 
 def provide():
-    """Gives Keras these functions as its torch `distribution_lib`, once.
+    """Makes this module Keras's torch `distribution_lib` where it has none.
 
-    Nothing where Keras has a torch `distribution_lib` of its own (3.16+).
-
-    Returns:
-        True if Keras's `list_devices` now reaches this module.
+    Returns True if Keras's `list_devices` now reaches this module.
     """
     if keras_distribution.distribution_lib is None:
         _provided.replace(keras_distribution, "distribution_lib", sys.modules[__name__])
@@ -40,15 +35,10 @@ def _device_type(device):
 
 
 def list_devices(device_type=None):
-    """The devices of one type, as Keras 3.16's torch backend lists them.
+    """The devices of one type (default: Keras's), as Keras 3.16 lists them.
 
-    Args:
-        device_type: `"cpu"`, `"gpu"` or `"cuda"`; defaults to the device
-            Keras computes on.
-
-    Returns:
-        `["cpu:0", "cpu:1", ...]` (`"gpu:i"` for CUDA): one device per
-        process under a process group or torchrun's `WORLD_SIZE`.
+    `["gpu:0", ...]` for CUDA: one per process under a process group or
+    torchrun's `WORLD_SIZE`.
     """
     resolved = _device_type(device_type or get_device())
     name = "gpu" if resolved == "cuda" else resolved
@@ -58,14 +48,8 @@ def list_devices(device_type=None):
 def get_device_count(device_type=None):
     """How many devices of a type there are, as Keras 3.16 counts them.
 
-    Args:
-        device_type: `"cpu"`, `"gpu"` or `"cuda"`; defaults to the device
-            Keras computes on.
-
-    Returns:
-        The number of processes under a process group or torchrun's
-        `WORLD_SIZE` (one device each; 0 for another device type), else
-        the local devices of that type.
+    One per process under a process group or torchrun's `WORLD_SIZE` (0 for
+    another device type), else the local devices of that type.
     """
     device_type = device_type.lower() if device_type else None
     if dist.is_initialized() or "WORLD_SIZE" in os.environ:

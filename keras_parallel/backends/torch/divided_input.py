@@ -1,10 +1,9 @@
 """Each rank loads only its rows of every global batch.
 
-A map-style `DataLoader`'s batch sampler is given this rank's share of each
-global batch's indices, in the one global order (docs/torch.md). The step
-still needs the global batch's size: each batch is remembered with it
-(`global_rows`), keyed by the object itself, which Keras passes from the
-loader to the step untouched. `PyDataset`s and generators: `shared_batches`.
+A map-style `DataLoader`'s batch sampler gives each rank its share of every
+global batch's indices. The step still needs the global batch's size, so each
+batch is remembered with it, keyed by the object Keras passes on untouched.
+`PyDataset`s and generators: `shared_batches`.
 """
 
 import weakref
@@ -16,12 +15,7 @@ from keras_parallel.keras_compat import print_msg
 
 
 class DividedInput:
-    """Divides the map-style loaders of one model's runs between the ranks.
-
-    Args:
-        world_size: the number of ranks.
-        rank: this rank.
-    """
+    """Divides the map-style loaders of one model's runs between the ranks."""
 
     def __init__(self, world_size, rank):
         self.world_size = world_size
@@ -29,20 +23,15 @@ class DividedInput:
         self._global_rows = {}  # id(batch) -> (batch, global rows)
         self._leftover = []
         self._loaders = weakref.WeakKeyDictionary()
-        #: The kinds of input seen: `{"DataLoader": True, "generator": False}`
-        #: (whether each was divided).
+        #: Each kind of input seen, and whether it was divided.
         self.kinds = {}
 
     def batches(self, loader, adapter):
-        """This rank's batches of `loader`, or `loader` itself if it cannot
-        be divided.
+        """This rank's batches of `loader`, or `loader` if it cannot be divided.
 
         Args:
             loader: what Keras's epoch iterator would iterate.
             adapter: Keras's data adapter of the input.
-
-        Returns:
-            An iterable.
         """
         kind = kinds.input_kind(adapter)
         shared = self._shared(loader, kind, adapter)
@@ -58,8 +47,7 @@ class DividedInput:
         return _Remembered(self, own_loader)
 
     def _shared(self, loader, kind, adapter):
-        """A `PyDataset`'s or a generator's batches, shared between the
-        ranks (`shared_batches`), or None for another input."""
+        """Batches shared between the ranks (`shared_batches`), or None."""
         world_size, rank = self.world_size, self.rank
         if kind == "PyDataset" and kinds.shareable_pydataset(adapter):
 
@@ -89,15 +77,7 @@ class DividedInput:
         return _Shared(self, loader, batches)
 
     def global_rows(self, batch):
-        """The global batch size of a batch this rank's loader yielded.
-
-        Args:
-            batch: what the step received.
-
-        Returns:
-            The rows of the global batch `batch` is this rank's share of,
-            or `None` for a batch that is not (a whole global batch).
-        """
+        """The rows of the global batch `batch` is a share of, or `None`."""
         entry = self._global_rows.pop(id(batch), None)
         if entry is None or entry[0] is not batch:
             return None
@@ -116,14 +96,8 @@ class DividedInput:
         return made
 
     def remembered_pairs(self, pairs):
-        """Yields the batches of `(global rows, batch)` pairs, each
-        remembered with its global size (`global_rows`).
-
-        Args:
-            pairs: a generator of `(global rows, this rank's batch)`.
-        """
-        # Batches an earlier epoch yielded and no step took (passed over by
-        # a resumed run), forgotten now.
+        """Yields the batches of `(global rows, batch)` pairs, remembering rows."""
+        # Yielded by an earlier epoch but never stepped on (a resumed run).
         self._forget(self._leftover)
         kept = []
         finished = False
@@ -140,8 +114,8 @@ class DividedInput:
             finished = True
         finally:
             if finished:
-                # With `steps_per_execution` above 1 Keras draws the epoch's
-                # last batches, and this end, before it steps on them.
+                # With `steps_per_execution` > 1 Keras reaches this end before
+                # it steps on the epoch's last batches.
                 self._leftover = kept
             else:
                 self._forget(kept)
@@ -153,9 +127,7 @@ class DividedInput:
 
 
 def _tf_data_batches(own):
-    """`(global rows, this rank's rows)` of a `RowsDataset`, converted as
-    Keras converts a `tf.data` batch (`global rows` None where the rank
-    reads the whole batch)."""
+    """`(global rows or None if whole, this rank's rows)` of a `RowsDataset`."""
     from keras import ops, tree
 
     for rows, part in own.dataset:
@@ -166,9 +138,11 @@ def _tf_data_batches(own):
 
 
 class _Shared:
-    """Batches shared between the ranks, as Keras's epoch iterator iterates
-    them; Keras's own loader's iterator is made (and not read) so that
-    torch's random state moves as one device's does."""
+    """Shared batches as Keras's epoch iterator iterates them.
+
+    Keras's own loader's iterator is made, unread, so that torch's random
+    state moves as on one device.
+    """
 
     def __init__(self, divided, loader, batches):
         self.divided = divided
@@ -183,9 +157,8 @@ class _Shared:
 class _Remembered:
     """The rank loader as Keras's epoch iterator iterates it.
 
-    Its iterator is made when Keras asks for one, as Keras's own loader's
-    is (a loader's iterator draws a seed from torch's random state when it
-    is made): the shuffles of later epochs stay one device's.
+    Its iterator, which draws a seed from torch's random state, is made when
+    Keras asks for one, so later epochs shuffle as on one device.
     """
 
     def __init__(self, divided, rank_loader):

@@ -1,10 +1,9 @@
 """Keras variables held as torch DTensors: mesh, placements, placing, gathering.
 
-Under `ModelParallel` every floating model variable, and every optimizer
-slot that follows one, holds a DTensor on the torch mesh of the Keras mesh
-(docs/torch.md). Integer variables and the optimizer's own scalars stay
-plain: no op needs their placement, and `promotion()` treats them as
-replicated. Keras's own DTensor pieces are used where it has them (3.16+).
+Under `ModelParallel` floating model variables and the optimizer slots that
+follow them hold DTensors; integer variables and the optimizer's own scalars
+stay plain (`promotion()` treats them as replicated). Keras's own DTensor
+pieces are used where it has them (3.16+).
 """
 
 import contextlib
@@ -20,33 +19,19 @@ from keras_parallel.backends.torch.keras_compat import keras_dtensor
 
 
 def torch_mesh(device_mesh, device_type):
-    """The torch `DeviceMesh` of a Keras `DeviceMesh`.
+    """The torch `DeviceMesh` of a Keras `DeviceMesh` (same shape and names).
 
-    Making one is a collective (it makes a process group per axis): every
-    rank must make it, in the same order.
+    A collective (a process group per axis): every rank makes it, in order.
 
     Args:
-        device_mesh: the `keras.distribution.DeviceMesh`, whose devices are
-            named `"<type>:<rank>"`.
-        device_type: `"cpu"` or `"cuda"`, what each rank computes on.
-
-    Returns:
-        A `torch.distributed.device_mesh.DeviceMesh` with the Keras mesh's
-        shape and axis names.
-
-    Example:
-
-    >>> mesh = keras.distribution.DeviceMesh(
-    ...     (2, 2), ["data", "model"], ["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
-    >>> torch_mesh(mesh, "cpu").mesh_dim_names
-    ('data', 'model')
+        device_mesh: the Keras mesh, its devices named `"<type>:<rank>"`.
+        device_type: `"cpu"` or `"cuda"`.
     """
     if keras_dtensor is not None:
         return device_mesh.backend_mesh  # Keras's own, cached on the mesh.
-    # Cached on the Keras mesh, as Keras 3.16 caches `backend_mesh`: the
-    # variables a model made inside `distribution.scope()` placed
-    # (`creation`) and those `MeshRunner.apply` places later must share one
-    # torch mesh, or DTensor refuses to compute with both.
+    # Cached, as Keras 3.16 caches `backend_mesh`: variables placed in
+    # `distribution.scope()` and by `MeshRunner.apply` must share one torch
+    # mesh, or DTensor refuses to compute with both.
     cached = getattr(device_mesh, _CACHED_MESH, None)
     if cached is not None and cached.device_type == device_type:
         return cached
@@ -69,15 +54,6 @@ _CACHED_MESH = "_kp_torch_mesh"
 def placements(axes, axis_names):
     """One placement per mesh axis for a tensor laid out along `axes`.
 
-    Args:
-        axes: one mesh axis name (or `None`) per tensor dimension.
-        axis_names: the mesh's axis names, in mesh order.
-
-    Returns:
-        A tuple of `Shard(dim)` / `Replicate()`, one per mesh axis.
-
-    Example:
-
     >>> placements((None, "model"), ("data", "model"))
     (Replicate(), Shard(dim=1))
     """
@@ -93,8 +69,7 @@ def is_dtensor(value):
 
 
 def is_placed(entry, variable):
-    """Whether the plan's `entry` makes `variable` a DTensor (not integers, not
-    the optimizer's own scalars: see the module docstring)."""
+    """Whether the plan's `entry` makes `variable` a DTensor (module docstring)."""
     if not torch.is_floating_point(variable._value):
         return False
     return entry.kind == "model" or entry.key.startswith("(follows")
@@ -103,20 +78,15 @@ def is_placed(entry, variable):
 def place(variable, axes, keras_mesh, mesh, gradient_axes=None):
     """Makes `variable` hold a DTensor laid out along `axes` (a collective).
 
-    Rank 0's value is scattered (or broadcast) to the other ranks, as DDP
-    broadcasts rank 0's weights: every rank may have built its own. A
-    variable already placed so (made inside `distribution.scope()`,
-    `creation`) keeps its value; only its gradient's placements may change.
+    Rank 0's value wins, as under DDP. A variable already placed so keeps its
+    value; only its gradient's placements may change.
 
     Args:
-        variable: a floating `keras.Variable`.
-        axes: its layout, one mesh axis name (or `None`) per dimension.
-        keras_mesh: the Keras `DeviceMesh`.
-        mesh: its torch `DeviceMesh` (`torch_mesh`).
-        gradient_axes: the layout its gradient takes as soon as the backward
-            pass computed it; defaults to `axes`. `shard="optimizer"` gives
-            a whole variable's gradient its optimizer slots' layout, so
-            that it is reduce-scattered rather than all-reduced (ZeRO-2).
+        axes: one mesh axis name (or `None`) per dimension.
+        mesh: the torch mesh of `keras_mesh` (`torch_mesh`).
+        gradient_axes: the gradient's layout; defaults to `axes`.
+            `shard="optimizer"` gives a whole variable's gradient its slots'
+            layout, so it is reduce-scattered, not all-reduced (ZeRO-2).
     """
     wanted = placements(axes, mesh.mesh_dim_names)
     gradient = placements(
@@ -137,8 +107,7 @@ def place(variable, axes, keras_mesh, mesh, gradient_axes=None):
         placed = distribute_tensor(value, mesh, wanted, src_data_rank=0)
     local = placed.to_local()
     if local.untyped_storage().nbytes() > local.numel() * local.element_size():
-        # A shard along dimension 0 is a view of the whole value: copied,
-        # so that the whole value can be freed.
+        # A shard along dimension 0 views the whole value: copied to free it.
         placed = DTensor.from_local(
             local.clone(), mesh, placed.placements, run_check=False
         )
@@ -147,31 +116,23 @@ def place(variable, axes, keras_mesh, mesh, gradient_axes=None):
         variable._layout = TensorLayout(axes, keras_mesh)
     parameter = torch.nn.Parameter(placed, requires_grad=variable.trainable)
     if variable.trainable:
-        # Each gradient takes its placements as soon as it is computed (its
-        # sums over the batch axis reduced): a process then keeps only its
-        # shard of it, not a whole gradient that torch may compute for a
-        # split variable.
+        # Placed as soon as computed: a process keeps only its shard, not the
+        # whole gradient torch may compute for a split variable.
         hook = GradientPlacement(mesh, gradient)
         parameter.register_hook(hook)
         setattr(parameter, _GRADIENT_HOOK, hook)
     variable._value = parameter
 
 
-#: The attribute of a placed variable's parameter holding its
-#: `GradientPlacement` hook (which a later `place` may re-aim).
+#: The attribute of a placed parameter holding its `GradientPlacement` hook.
 _GRADIENT_HOOK = "_kp_gradient_placement"
 
 
 class GradientPlacement:
     """The gradient hook `place` registers: `placed_gradient` to `placements`.
 
-    An object rather than a closure so that a later `place` (the plan made
-    again once the optimizer's slots exist) can change where the gradient
-    goes without registering a second hook.
-
-    Args:
-        mesh: the torch `DeviceMesh`.
-        placements: the gradient's placements, one per mesh axis.
+    An object, not a closure, so that a later `place` (once the optimizer's
+    slots exist) can re-aim it without registering a second hook.
     """
 
     def __init__(self, mesh, placements):
@@ -183,25 +144,13 @@ class GradientPlacement:
 
 
 def gradient_placements(variable):
-    """The placements `variable`'s gradient takes (`place`), or `None`.
-
-    Args:
-        variable: a `keras.Variable`.
-
-    Returns:
-        A tuple of placements for a placed trainable variable, else `None`.
-    """
+    """The placements a placed trainable `variable`'s gradient takes, or `None`."""
     hook = getattr(getattr(variable, "_value", None), _GRADIENT_HOOK, None)
     return None if hook is None else hook.placements
 
 
 def placed_gradient(grad, mesh, placements):
-    """A variable's gradient, redistributed to the given placements.
-
-    Called by every trainable DTensor variable's `GradientPlacement` hook
-    (`place`): it runs as soon as the backward pass has computed the
-    gradient.
-    """
+    """A variable's gradient, redistributed to the given placements."""
     if not is_dtensor(grad) or tuple(grad.placements) == placements:
         return grad
     return grad.redistribute(mesh, placements)
@@ -220,12 +169,11 @@ def unplace(variable):
 def retrack(model):
     """Makes every layer's torch parameters the variables' current values.
 
-    Keras's torch layers register `variable.value` in a `ParameterDict`
-    (`_torch_params`) when built; `model.parameters()` (which
-    `model.zero_grad()` clears) reads it, so it must follow a new `_value`.
+    Keras registers `variable.value` in a layer's `_torch_params` when built,
+    and `model.parameters()` (`zero_grad()`) reads it.
     """
     for layer in model._flatten_layers(include_self=True, recursive=True):
-        # A torch submodule: kept in `_modules`, not in `__dict__`.
+        # A torch submodule: in `_modules`, not `__dict__`.
         if "_torch_params" in layer._modules:
             layer._track_variables()
 
@@ -249,13 +197,8 @@ def local_bytes(variable):
 def gathered(variables):
     """While in scope, every DTensor variable holds its whole value.
 
-    For Keras's saving, which reads `variable.numpy()` on the one process
-    that writes: each process first gathers every split variable, in the
-    same order (a collective per variable), then Keras reads plain tensors.
-
-    Args:
-        variables: every variable the save may read, in the same order on
-            every process.
+    For Keras's saving, which reads `variable.numpy()` on the writing process
+    only: every process gathers each variable (a collective), in one order.
     """
     swapped = []
     try:
@@ -280,17 +223,11 @@ _promotion_depth = 0
 def promotion():
     """Plain tensors meeting DTensors in one op are treated as replicated.
 
-    A Keras op may mix a DTensor with a plain tensor it made itself (a
-    constant, a dropout mask drawn in the layer's global shape, the
-    optimizer's learning rate, a weight `load_weights` assigns); torch
-    refuses such a mix unless told the plain tensor is the same on every
-    rank, which here it is.
-
-    Re-entrant: torch's `implicit_replication()` switches a global flag off
-    when it exits, even inside another one; only the outermost of ours
-    enters it. (Seen: `BackupAndRestore` built the optimizer inside `fit`,
-    which placed its slots under a nested scope; the restore that followed
-    failed with "got mixed torch.Tensor and DTensor".)
+    Keras ops mix DTensors with plain tensors that are the same on every rank
+    (constants, dropout masks, the learning rate). Re-entrant: torch's
+    `implicit_replication()` turns its global flag off on exit even when
+    nested (a `BackupAndRestore` restore then failed with "got mixed
+    torch.Tensor and DTensor"), so only the outermost scope enters it.
     """
     global _promotion_depth
     if _promotion_depth:

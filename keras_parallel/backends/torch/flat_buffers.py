@@ -1,8 +1,7 @@
-"""One collective over many tensors: flattened into one buffer, copied back.
+"""One collective over many tensors, flattened into one buffer and copied back.
 
-A collective per tensor costs a round trip each; these pack the tensors in
-one buffer on the process group's device (NCCL takes CUDA tensors only),
-run one collective and copy each piece back in place.
+One collective per tensor would cost a round trip each. The buffer lives on
+the process group's device: NCCL takes CUDA tensors only.
 """
 
 import torch
@@ -32,12 +31,7 @@ def _unpack(flat, tensors):
 
 
 def broadcast_flat(tensors, src=0):
-    """Gives every rank rank `src`'s values of `tensors`, in place.
-
-    Args:
-        tensors: torch tensors of one dtype (for example parameters' data).
-        src: the rank whose values win.
-    """
+    """Gives every rank rank `src`'s values of `tensors` (one dtype), in place."""
     tensors = list(tensors)
     if not tensors:
         return
@@ -47,12 +41,7 @@ def broadcast_flat(tensors, src=0):
 
 
 def mean_flat(tensors, world_size):
-    """Makes each of `tensors` its mean over the ranks, in place.
-
-    Args:
-        tensors: torch tensors of one floating dtype.
-        world_size: the number of ranks.
-    """
+    """Makes each of `tensors` (one floating dtype) its mean over the ranks."""
     tensors = list(tensors)
     if not tensors:
         return

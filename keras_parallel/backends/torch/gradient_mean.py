@@ -1,10 +1,9 @@
 """The mean gradient over the ranks where DDP cannot make it.
 
-DDP stalls on a parameter that gets no gradient ("Expected to have finished
-reduction in the prior iteration"). `GradientMean` averages at the optimizer
-instead: one all-reduce of every gradient (zeros where a rank has none) and
-of which ranks had one; a variable no rank had one for stays `None`, as on
-one device. The first step runs with it; DDP takes over once all were used.
+DDP stalls on a parameter without a gradient ("Expected to have finished
+reduction in the prior iteration"); this averages at the optimizer in one
+all-reduce, leaving `None` where no rank had a gradient, as on one device.
+DDP takes over once every variable had one.
 """
 
 import torch
@@ -15,19 +14,13 @@ from keras_parallel.replacements import Replacements
 
 
 class GradientMean:
-    """Averages the optimizer's gradients over the ranks (module docstring).
-
-    Args:
-        model: the Keras model (its `optimizer` is read at `install`).
-        world_size: the number of ranks.
-    """
+    """Averages the optimizer's gradients over the ranks (read at `install`)."""
 
     def __init__(self, model, world_size):
         self.model = model
         self.world_size = world_size
         self._replacements = Replacements()
-        #: After a step: whether every trainable variable had a gradient on
-        #: every rank; None before the first.
+        #: Whether every variable had a gradient on every rank; None before a step.
         self.all_used = None
 
     def install(self):
@@ -49,15 +42,8 @@ class GradientMean:
 
     @torch.no_grad()
     def mean(self, grads, variables):
-        """`grads` averaged over the ranks; `None` where no rank had one.
-
-        Args:
-            grads: this rank's gradients (torch tensors or `None`).
-            variables: the Keras variables they belong to.
-
-        Returns:
-            A list of the averaged gradients.
-        """
+        """`grads` (tensors or `None`) averaged over the ranks; `None` where no
+        rank had one."""
         pieces = [
             (g if g is not None else torch.zeros_like(v.value)).reshape(-1)
             for g, v in zip(grads, variables, strict=True)

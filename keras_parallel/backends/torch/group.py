@@ -1,10 +1,9 @@
 """The torch process group: started from the environment, torn down once.
 
-A group started here (from `RANK` / `WORLD_SIZE` / `LOCAL_RANK`) is destroyed
-here at exit; one the user started is the user's. A failing rank writes
-`"<rank>: <error>"` under `FAILURE_KEY` in the group's store (under torchrun
-and `launch` the launcher's: it outlives every rank), and the others raise
-`PeerFailedError` naming it. `ONE_PROCESS_GROUP_ENV`: see docs/torch.md.
+A group started here is destroyed here at exit; one the user started is the
+user's. A failing rank leaves its error under `FAILURE_KEY` in the group's
+store (the launcher's under torchrun and `launch`: it outlives every rank), so
+the others raise `PeerFailedError` naming it.
 """
 
 import atexit
@@ -22,11 +21,10 @@ from keras_parallel.cluster_environments.base import host_port
 
 #: Where a failing rank leaves its name and error in the group's store.
 FAILURE_KEY = "keras_parallel/failed"
-#: Seconds every collective may wait for a peer before it fails: bounds how
-#: long a rank waits for a peer that died without a word.
+#: Seconds a collective waits for a peer (one that died silently) before failing.
 DEFAULT_TIMEOUT_S = 300
 TIMEOUT_ENV = "KERAS_PARALLEL_TIMEOUT"
-#: `"1"`: a group of one process runs the distributed path (module docstring).
+#: `"1"`: a group of one process runs the distributed path (docs/torch.md).
 ONE_PROCESS_GROUP_ENV = "KERAS_PARALLEL_ONE_PROCESS_GROUP"
 
 _started_here = False
@@ -75,8 +73,8 @@ def one_process_group():
 
 
 def is_distributed():
-    """Whether a process group of more than one process is running (or of
-    one, with `one_process_group()`)."""
+    """Whether a group of several processes (or one, with `one_process_group()`)
+    is running."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
     return dist.get_world_size() > 1 or one_process_group()
@@ -87,16 +85,12 @@ def ensure_process_group():
 
     Returns:
         True if a group of more than one process is running now.
-
-    Raises:
-        RuntimeError: the environment names several processes but torch was
-            built without `torch.distributed`.
     """
     global _started_here
     env = None
     if not (dist.is_available() and dist.is_initialized()):
-        # Read from the variables before torch's are filled from them: its
-        # messages name the launcher's (`SLURM_PROCID`, not `RANK`).
+        # Detected before torch's variables are filled, so that its messages
+        # name the launcher's (`SLURM_PROCID`, not `RANK`).
         env = cluster_environments.detect_cluster_environment(dict(os.environ))
         fill_from_cluster_environment()
     if not dist.is_available():
@@ -115,8 +109,7 @@ def ensure_process_group():
         return False
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        # Keras puts variables on the current CUDA device: make it ours
-        # before any variable exists.
+        # Before any variable exists: Keras uses the current CUDA device.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=timeout_seconds())
     backend = "nccl" if use_cuda else "gloo"
@@ -143,11 +136,9 @@ def ensure_process_group():
 def _bounded_join(env):
     """Checks rank 0's port, then bounds the wait for the other ranks.
 
-    `join_deadline`: a rank missing or given twice, or a port taken, ends
-    every rank within `KERAS_PARALLEL_JOIN_TIMEOUT` with a message naming
-    `env`'s variables (torch's own wait lasts the whole collective
-    timeout). Under torchrun the elastic agent holds the store's port:
-    nothing is checked there.
+    A missing or doubled rank, or a taken port, ends every rank within
+    `KERAS_PARALLEL_JOIN_TIMEOUT` (torch would wait the collective timeout).
+    Under torchrun the elastic agent holds the port: nothing is checked.
     """
     if env is None or env.world_size() <= 1:
         yield  # Variables torch reads itself, not a launcher's.
@@ -162,21 +153,14 @@ def _bounded_join(env):
 
 
 def fill_from_cluster_environment(environ=None):
-    """Sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`
-    from the cluster environment, where they are unset.
-
-    Under torchrun or `keras-parallel launch` they are all set already; under
-    `srun` or `mpirun` none is, and the detected environment gives them.
+    """Sets torch's `RANK`, `WORLD_SIZE`, ... from the cluster environment
+    (`srun`, `mpirun`) where they are unset.
 
     Args:
         environ: the variables to read and fill; `os.environ` when None.
 
     Returns:
         The names it set.
-
-    Raises:
-        ClusterEnvironmentError: a variable of the environment is wrong; it
-            is named.
     """
     environ = os.environ if environ is None else environ
     env = cluster_environments.detect_cluster_environment(environ)
@@ -190,15 +174,11 @@ def fill_from_cluster_environment(environ=None):
 
 
 def _store_of_this_attempt(timeout):
-    """The launcher's store, seen through a prefix of this restart attempt.
+    """The elastic agent's store under a prefix of this restart attempt.
 
-    Under torchrun (`keras-parallel launch`) the workers of every restart
-    attempt share one TCPStore, that of the elastic agent
-    (`TORCHELASTIC_USE_AGENT_STORE=True`), and `env://` does not tell the
-    attempts apart: a restarted rank can read the address a rank of the
-    previous attempt published and fail with "Gloo connectFullMesh failed
-    ... Connection refused" (2 runs in 5 here). A prefix per attempt keeps
-    each attempt's keys its own.
+    Every attempt shares the agent's TCPStore and `env://` does not tell them
+    apart: a restarted rank could read the previous attempt's address and fail
+    ("Gloo connectFullMesh failed ... Connection refused", 2 runs in 5).
 
     Returns:
         A `PrefixStore`, or None where `env://` is safe (no agent store).
@@ -224,13 +204,9 @@ def device_type():
 
 
 def on_teardown(hook):
-    """Registers an object whose `close()` must run before the group goes.
+    """Registers `hook` (held weakly) whose `close()` runs before the group goes.
 
-    DDP wrappers are closed this way: a wrapped module that outlives
-    `destroy_process_group` can leave a rank hanging at exit.
-
-    Args:
-        hook: an object with a `close()` method, held weakly.
+    A DDP wrapper that outlives `destroy_process_group` can hang a rank at exit.
     """
     _teardown_hooks.add(hook)
 
@@ -286,12 +262,7 @@ class KeyValueStore:
 
 
 def publish_failure(rank, error):
-    """Leaves `"<rank>: <error>"` in the store, first failure wins.
-
-    Args:
-        rank: this process's rank.
-        error: the exception it raised.
-    """
+    """Leaves `"<rank>: <error>"` in the store; the first failure wins."""
     if isinstance(error, PeerFailedError):
         return
     store = _store()
@@ -309,9 +280,8 @@ def peer_failure(wait_s=5.0):
     """The failure another rank published, as `(rank, text)`, or `None`.
 
     Args:
-        wait_s: how long to wait for the key: the failing rank writes it
-            just before its process ends, which may be after our collective
-            broke.
+        wait_s: how long to wait: the failing rank may write it after our
+            collective broke.
     """
     store = _store()
     if store is None:
@@ -329,15 +299,12 @@ def peer_failure(wait_s=5.0):
 
 
 def peer_failed_error(error, own_rank, where):
-    """The error to raise when a collective broke because a peer stopped.
+    """The `PeerFailedError` to raise when a collective broke, naming the
+    failed rank where known.
 
     Args:
         error: what the collective raised.
-        own_rank: this process's rank.
         where: what this rank was doing (`"train step 3"`).
-
-    Returns:
-        A `PeerFailedError` naming the failed rank when it is known.
     """
     found = peer_failure()
     if found is not None and found[0] != own_rank:
@@ -357,14 +324,8 @@ def peer_failed_error(error, own_rank, where):
 
 
 def is_collective_failure(error):
-    """Whether `error` is a collective that broke (a peer stopped, a timeout).
-
-    Args:
-        error: what a collective raised.
-
-    Returns:
-        True for torch's `DistError` and the gloo/NCCL connection errors.
-    """
+    """Whether `error` is a broken collective: `DistError` or a gloo/NCCL
+    connection error."""
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error).lower()

@@ -7,11 +7,8 @@ Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 from keras_parallel.keras_compat import internal
 from keras_parallel.replacement_targets import Target
 
-#: Keras's torch trainer module. Up to 3.15 its class is `TorchTrainer`;
-#: from 3.16 (keras-nightly) it is `Trainer`, wraps the model in its own DDP
-#: unless `model.ddp_model` is set (the executor sets it to False), and sums
-#: the metric states over ranks in `get_metrics_result` (`steps` reads them
-#: through the base trainer's method instead). `None` before 3.16.
+#: Keras 3.16's torch `Trainer` (3.15's is `TorchTrainer`), which wraps the model
+#: in its own DDP and sums metric states over ranks; `None` before 3.16.
 _trainer = internal("keras.src.backend.torch.trainer")
 torch_trainer_with_ddp = getattr(_trainer, "Trainer", None)
 if torch_trainer_with_ddp is not None:
@@ -20,23 +17,17 @@ if torch_trainer_with_ddp is not None:
         "Trainer.get_metrics_result",
         "Trainer._initialize_ddp",
     )
-#: The epoch iterator of Keras's torch `fit`, `evaluate` and `predict`: its
-#: `__iter__` (where an epoch starts) is replaced in scope so that the ranks
-#: compare the size of the data they are about to iterate (`same_data`).
+#: The epoch iterator of Keras's torch trainer (`same_data`, `divided_input`).
 TorchEpochIterator = internal(
     "keras.src.backend.torch.trainer",
     "TorchEpochIterator.__iter__",
     "TorchEpochIterator._get_iterator",
 ).TorchEpochIterator
-#: Data given as arrays (NumPy, torch, ...): the only adapter whose row count
-#: its public sizes tell exactly (a `DataLoader` may drop its last batch).
+#: Arrays: the only adapter whose public sizes tell its exact row count.
 ArrayDataAdapter = internal(
     "keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter"
 ).ArrayDataAdapter
-#: The data adapters whose batches the ranks share (`shared_batches`): a
-#: `PyDataset`'s batches are made by their owner as Keras's adapter makes
-#: them (`_standardize_batch`), a generator's drawn on rank 0 through
-#: Keras's NumPy iterator.
+#: The adapters whose batches the ranks share (`shared_batches`).
 internal(
     "keras.src.trainers.data_adapters.py_dataset_adapter",
     "PyDatasetAdapter._standardize_batch",
@@ -49,9 +40,7 @@ internal(
 tree = internal("keras.src.tree", "flatten", "map_structure")
 #: Whether a callback overrides a hook (`step_logs.reads_step_logs`).
 is_default = internal("keras.src.utils.python_utils", "is_default").is_default
-#: Keras's `Model`: its own `train_step` / `test_step` return the metrics'
-#: results through `get_metrics_result` (`keras_step`), and the trainer's
-#: `_get_metrics_result_or_logs` picks an epoch's logs (`steps`).
+#: Keras's `Model`: its own steps (`keras_step`) and its epoch logs (`steps`).
 KerasModel = internal(
     "keras.src.models.model",
     "Model.train_step",
@@ -59,11 +48,8 @@ KerasModel = internal(
     "Model._get_metrics_result_or_logs",
 ).Model
 
-#: Keras's own DTensor support in its torch backend (keras-nightly 3.16:
-#: `keras.src.backend.torch.distribution_lib`, with the Keras mesh's
-#: `backend_mesh`, `TensorLayout.backend_layout` and a `Variable` that
-#: redistributes assigned values by its `_layout`), used by
-#: `dtensor_layouts` where it exists; `None` with Keras 3.15, which has none.
+#: Keras 3.16's own torch DTensor support, used by `dtensor_layouts`; `None`
+#: with Keras 3.15.
 keras_dtensor = getattr(internal("keras.src.backend"), "distribution_lib", None)
 if keras_dtensor is not None and not all(
     hasattr(keras_dtensor, name)
@@ -71,46 +57,35 @@ if keras_dtensor is not None and not all(
 ):
     keras_dtensor = None  # Some other torch distribution_lib: use torch's API.
 
-#: The module behind `keras.distribution.list_devices()` and
-#: `get_device_count()`, which call its `distribution_lib` (the backend's):
-#: `None` on torch before Keras 3.16, which `distribution_lib.provide` fills
-#: with the two functions (so the JAX-written mesh script runs on torch).
+#: The module behind `keras.distribution.list_devices()`; its torch
+#: `distribution_lib` is `None` before Keras 3.16 (`distribution_lib.provide`).
 keras_distribution = internal(
     "keras.src.distribution.distribution_lib",
     "distribution_lib",
     "list_devices",
     "get_device_count",
 )
-#: The device Keras's torch backend computes on (`"cpu"`, `"cuda"`, ...),
-#: which Keras 3.16's torch `list_devices` reads, and so does ours on 3.15.
+#: The device Keras's torch backend computes on (`"cpu"`, `"cuda"`, ...).
 get_device = (
     internal("keras.src.backend.torch.core", "get_device").get_device
     if keras_dtensor is None
     else keras_dtensor.get_device
 )
 
-#: Maps a variable to another value while a layer runs (ModelParallel: an
-#: `Embedding` looks rows up in its table gathered along them,
-#: `output_constraints`; a weight regularizer reads its variable's whole
-#: value, `mesh_losses`).
+#: Maps a variable to another value while a layer runs (`output_constraints`,
+#: `mesh_losses`).
 StatelessScope = internal(
     "keras.src.backend.common.stateless_scope", "StatelessScope"
 ).StatelessScope
 
-#: Keras's torch `Variable`: its `_initialize` (which stores the value a
-#: new variable was made with) is replaced inside `distribution.scope()` so
-#: that the variable is placed as a DTensor as soon as it exists
-#: (`creation.py`). Read from `keras.src.backend`, which names the running
-#: backend's class: keras-nightly moved it from `torch/core.py` to
-#: `torch/ops/core.py`.
+#: Keras's torch `Variable` (`creation.py`), read from `keras.src.backend`:
+#: keras-nightly moved it from `torch/core.py` to `torch/ops/core.py`.
 TorchVariable = internal(
     "keras.src.backend", "Variable._initialize", "Variable._initialize_with_initializer"
 ).Variable
 
-#: Keras's optimizer with gradient accumulation: its `_iterations` counts
-#: the micro-steps (its public `iterations` counts the updates), and its
-#: `_accumulated_gradients` hold each variable's gradients summed since the
-#: last update (`accumulation.py`).
+#: Keras's optimizer: `_iterations` counts micro-steps, `iterations` updates
+#: (`accumulation.py`).
 BaseOptimizer = internal(
     "keras.src.optimizers.base_optimizer",
     "BaseOptimizer._backend_apply_gradients",
@@ -118,48 +93,33 @@ BaseOptimizer = internal(
 
 #: Attributes of Keras objects the torch backend reads or sets.
 OBJECT_ATTRIBUTES = {
-    # ModelParallel (`dtensor_layouts`): a variable's value is replaced by a
-    # DTensor parameter; `_layout` tells Keras 3.16's `_direct_assign` how
-    # to redistribute assigned values. A variable made from a value has no
-    # `_shape` until `_initialize` returns: `creation.py` sets it from the
-    # value, for the distribution's layout.
+    # `dtensor_layouts` and `creation.py`; `_layout` tells Keras 3.16's
+    # `_direct_assign` how to redistribute assigned values.
     "keras.Variable": ("_value", "_layout", "_shape"),
     # The axes BatchNormalization's batch statistics reduce (`sync_bn`).
     "keras.layers.BatchNormalization": ("_reduction_axes",),
-    # Model._flatten_layers walks nested layers (sync BN, ModelParallel);
-    # `_track_variables` re-registers a layer's `_torch_params` after its
-    # variables' values became DTensors (`dtensor_layouts.retrack`).
+    # Nested layers (sync BN, ModelParallel); `dtensor_layouts.retrack`.
     "keras.Model": ("_flatten_layers", "_torch_params", "_track_variables"),
-    # The losses a forward pass added (`add_loss`, activity regularizers),
-    # their gradients scaled like the outputs' on an uneven batch (`steps`);
-    # under ModelParallel made whole and plain after the forward pass
-    # (`mesh_steps`).
+    # The losses a forward pass added (`steps`, `mesh_steps`).
     "keras.layers.Layer": ("_losses",),
-    # Gradient accumulation under DDP (`accumulation.py`): the micro-step
-    # counter; the accumulators (`_accumulated_gradients`, which exist only
-    # when `gradient_accumulation_steps` is set) are all-reduced once per
-    # update.
+    # Gradient accumulation under DDP (`accumulation.py`).
     "keras.optimizers.Optimizer": ("_iterations", "gradient_accumulation_steps"),
-    # A PyDataset's adapter (`shared_batches`): the dataset and whether the
-    # epoch's order is shuffled.
+    # `shared_batches`.
     "PyDatasetAdapter": ("py_dataset", "shuffle"),
 }
 
 #: Attributes of Keras objects that exist only in some states; listed, not
 #: checked on objects.
 UNCHECKED_ATTRIBUTES = {
-    # The accumulators, made only when `gradient_accumulation_steps` is set
-    # (`accumulation.py`).
+    # Made only when `gradient_accumulation_steps` is set (`accumulation.py`).
     "keras.optimizers.Optimizer (accumulating)": ("_accumulated_gradients",),
 }
 
 #: Private names of torch keras_parallel uses.
 OTHER_PRIVATE_NAMES = {
-    # The process group's store, where a failing rank leaves its name
-    # (`group.py`; without it failures are reported unnamed).
+    # Where a failing rank leaves its name (`group.py`).
     "torch.distributed.distributed_c10d": ("_get_default_store",),
-    # A torch module's submodules: where a Keras layer keeps `_torch_params`
-    # (`dtensor_layouts.retrack`).
+    # Where a Keras layer keeps `_torch_params` (`dtensor_layouts.retrack`).
     "torch.nn.Module": ("_modules",),
 }
 
@@ -270,13 +230,9 @@ REPLACED = (
 def local_metrics_result(model):
     """`model.get_metrics_result`, without Keras 3.16+'s sum over ranks.
 
-    Keras's torch trainer (3.16+) all-reduces the metric states in
-    `get_metrics_result` whenever a process group exists. `RankSteps` makes
-    them global itself (only when read, a whole-batch tail counted once), so
-    Keras's sum would count every row once per rank, and cost an all-reduce
-    per metric variable per step. The base trainer's method reads the states
-    as they are, as in Keras 3.15. A subclass's own `get_metrics_result` is
-    left alone.
+    `RankSteps` makes the states global itself: Keras's sum would count each
+    row once per rank, at an all-reduce per metric variable per step. A
+    subclass's own `get_metrics_result` is left alone.
     """
     keras_trainer = torch_trainer_with_ddp
     if (
@@ -291,17 +247,8 @@ def local_metrics_result(model):
 def keras_step(model, name):
     """Whether `model`'s `name` step (`"train_step"`, ...) is Keras's own.
 
-    Keras's own train and test steps return `compute_metrics(...)`, which
-    reads the metrics through `get_metrics_result` (made global there, when
-    step logs are read): their logs need nothing more. A subclass's or an
-    object's own step may return anything.
-
-    Args:
-        model: the Keras model.
-        name: the step's attribute name.
-
-    Returns:
-        True if neither the model nor its class replaces Keras's step.
+    Keras's own steps return `get_metrics_result`'s logs, made global there; a
+    custom step may return anything.
     """
     return name not in vars(model) and getattr(type(model), name, None) is getattr(
         KerasModel, name

@@ -1,10 +1,8 @@
 """What each rank does inside Keras's torch steps under `ModelParallel`.
 
-Only the model's own `call` runs on DTensors; the loss, the metrics and the
-trainer stay on plain tensors, as under DataParallel (`steps.RankSteps`,
-which this extends). The ranks of one data group compute the same rows,
-the global batch's split along the batch axis, and each output gradient is
-scaled by `1 / D` (D: the data axis's size) for the global mean's gradient.
+Only the model's `call` runs on DTensors; loss, metrics and trainer stay plain,
+as under `steps.RankSteps`. A data group's ranks compute the same rows, and
+each output gradient is scaled by `1 / D` (D: the data axis's size).
 """
 
 import contextlib
@@ -38,10 +36,8 @@ class MeshSteps(RankSteps):
     """The per-rank steps of `RankSteps`, on a model of DTensor variables.
 
     Args:
-        model: the Keras model, its variables placed by `dtensor_layouts`.
         mesh: the torch `DeviceMesh`.
         plan: the `ShardingPlan` (batch axis, output constraints).
-        rank: this process's rank.
     """
 
     reduces_gradients = False
@@ -61,7 +57,7 @@ class MeshSteps(RankSteps):
         )
         self._local_rows = None
         self._stack = None
-        #: Read gathered in the forward pass where split (`gathered_for_use`).
+        #: Read gathered where split (`gathered_for_use`).
         self._convolution_variables = convolution_variables(model)
         self._constraints = OutputConstraints(self)
 
@@ -71,13 +67,11 @@ class MeshSteps(RankSteps):
             return
         super().install()
         self._stack = contextlib.ExitStack()
-        # Between steps too: a callback may assign whole values (EarlyStopping
-        # restoring weights) to split variables.
+        # Between steps too: a callback (EarlyStopping) may assign whole values.
         self._stack.enter_context(dtensor_layouts.promotion())
         if self.mesh.device_type == "cpu":
-            # torch's CPU flash-attention kernel (which Keras's
-            # `dot_product_attention` reaches) has no DTensor rule for its
-            # backward; the math kernel is made of ops that have one.
+            # torch's CPU flash-attention kernel has no DTensor rule for its
+            # backward; the math kernel's ops have.
             self._stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         self._constraints.install()
         self._stack.callback(self._constraints.uninstall)
@@ -119,16 +113,15 @@ class MeshSteps(RankSteps):
         return True
 
     def _context(self, kind):
-        # Every rank of a data group must draw the same dropout mask (the
-        # layer draws it in the global shape): no per-rank random stream.
+        # A data group must draw one dropout mask: no per-rank random stream.
         return contextlib.nullcontext()
 
     def _needs_route(self):
-        # The rows enter `call` as DTensors: every routed step goes through.
+        # The rows enter `call` as DTensors.
         return True
 
     def sync_non_trainable(self):
-        # DTensor variables are one value on the mesh: nothing to agree on.
+        # DTensor variables are one value on the mesh.
         self.dirty = False
 
     # --------------------------------------------------------- forward
@@ -142,28 +135,20 @@ class MeshSteps(RankSteps):
     def _routed_call(self, *args, **kwargs):
         placements = self.batch_placements()
         rows = self._local_rows
-        # A whole batch that the mesh does not divide can make torch shard
-        # it unevenly inside the model, where a reshape then fails ("Cannot
-        # flatten unevenly sharded tensor"), when a variable is split along
-        # the batch axis (KerasHub's layouts): the batch, replicated along
-        # that axis, meets the split weight. In evaluation and prediction
-        # rows are independent: such a batch is then padded to a multiple
-        # of the mesh size (its last row repeated) and the padding cut from
-        # the outputs. Only then: with no variable split along the batch
-        # axis nothing splits the replicated batch along it, and padding
-        # would change what is computed over the batch (an `add_loss` mean,
-        # an activity regularizer's sum). Training keeps the true batch
-        # (BatchNorm).
+        # With a variable split along the batch axis (KerasHub's layouts), a
+        # whole batch the mesh does not divide may be sharded unevenly inside
+        # the model and fail a reshape ("Cannot flatten unevenly sharded
+        # tensor"). Outside training such a batch is padded with its last row,
+        # cut from the outputs; padding changes what is computed over the
+        # batch (an `add_loss` mean, BatchNorm), so only then.
         pad = 0
         if self._whole and not torch.is_grad_enabled() and self._splits_batch_axis():
             pad = -rows % self.mesh.size()
 
         def enter(leaf):
             if isinstance(leaf, np.ndarray) and leaf.ndim and leaf.shape[0] == rows:
-                # `train_on_batch` (and `test_on_batch`, `predict_on_batch`)
-                # hand Keras's step the user's NumPy arrays, which a
-                # functional model converts inside `call`: left as they are,
-                # they would enter as this rank's rows only, whole.
+                # `*_on_batch` hands the step NumPy arrays, which would
+                # otherwise enter `call` as this rank's rows only, whole.
                 leaf = ops.convert_to_tensor(leaf)
             if (
                 isinstance(leaf, torch.Tensor)
@@ -193,10 +178,8 @@ class MeshSteps(RankSteps):
             outputs = self._own_call(*args, **kwargs)
         outputs = tree.map_structure(leave, outputs)
         whole_added_losses(self.model)
-        # The added losses are left unscaled: each is the global batch's,
-        # replicated (`whole_added_losses`), and DTensor's autograd counts
-        # its gradient once; the outputs' loss is a mean over this data
-        # group's rows, whose gradient the groups sum.
+        # Added losses stay unscaled: each is the global batch's, its gradient
+        # counted once; the outputs' loss is a data group's mean, summed.
         scale = self._grad_scale
         if scale != 1.0 and torch.is_grad_enabled():
             for t in tree.flatten(outputs):
@@ -210,8 +193,7 @@ class MeshSteps(RankSteps):
         return any(batch_axis in v.axes for v in self.plan.variables)
 
     def _gather(self, outputs, rows):
-        # Each data group holds its rows; together, in order, they are the
-        # batch (the batch axis divides it, else it was computed whole).
+        # The data groups' rows, in order, are the batch.
         placements = self.batch_placements()
 
         def gather(t):
@@ -227,13 +209,8 @@ class MeshSteps(RankSteps):
 def reduced_gradients(optimizer):
     """While in scope, `optimizer.apply` first reduces each gradient.
 
-    A gradient leaves the backward pass with the placements the ops gave it
-    (`Partial` sums over the batch axis, for one); it is redistributed to
-    its variable's placements before Keras's update reads it, once, rather
-    than by every op of the update that reads it.
-
-    Args:
-        optimizer: the model's Keras optimizer.
+    Redistributed to its variable's placements once, not by every op of the
+    update that reads it.
     """
     apply = optimizer.apply
 
@@ -252,9 +229,7 @@ def _reduced(grad, variable):
     value = getattr(variable, "_value", None)
     if not (isinstance(grad, DTensor) and isinstance(value, DTensor)):
         return grad
-    # Where `place` sends the gradient: the variable's placements, or
-    # (`shard="optimizer"`) its optimizer slots', whose update then runs on
-    # shards and whose new value DTensor gathers into the whole variable.
+    # The variable's placements, or its slots' under `shard="optimizer"`.
     wanted = dtensor_layouts.gradient_placements(variable) or value.placements
     if tuple(grad.placements) == tuple(wanted):
         return grad

@@ -1,10 +1,9 @@
 """A model's metric states, made global over the ranks by their change.
 
-Made global, each state is its value when last made global plus the sum over
-the ranks of its change since: one device's numbers for additive states.
-The same all-reduce carries the batches' rows and checksum, for
-`batches.check_same_batches`, and a custom step's logs; per step, the check
-stays on the device until `verify`, so only the logs are read on the host.
+Each state becomes its value when last made global plus the sum over the ranks
+of its change since. The same all-reduce carries the batches' check
+(`batches.check_same_batches`, read on the host only at `verify`) and a custom
+step's logs.
 """
 
 import numpy as np
@@ -21,13 +20,6 @@ from keras_parallel.backends.torch.batches import (
 class MetricStates:
     """The metric states of one model, made global when asked.
 
-    Args:
-        model: the Keras model.
-        rank: this process's rank (named by the same-batches error).
-
-    Example:
-
-    >>> states = MetricStates(model, rank)
     >>> states.start()
     >>> model.train_step(batch)          # updates this rank's states
     >>> states.saw(rows, batch)
@@ -40,8 +32,7 @@ class MetricStates:
         self._pending = None  # The states when last made global, flat.
         self._rows_seen = 0.0  # Rows and checksums since then.
         self._check_seen = 0.0
-        # Not yet read on the host: the largest spreads, this rank's rows
-        # and the rows over all ranks, since the last `verify`.
+        # Since the last `verify`, not yet read on the host.
         self._spreads = None
         self._rows_unverified = 0.0
         self._total_unverified = None
@@ -86,17 +77,11 @@ class MetricStates:
         Args:
             counted: whether this rank's changes count (False where another
                 rank counts a batch every rank computed whole).
-            extra: an optional float64 tensor every rank adds to the same
-                all-reduce.
-            verify: whether to compare the ranks' batches now (one read on
-                the host); else the comparison waits for `verify`.
+            extra: an optional float64 tensor for the same all-reduce.
+            verify: whether to compare the ranks' batches now (a host read).
 
         Returns:
             `extra` summed over the ranks (empty without `extra`).
-
-        Raises:
-            ValueError: the ranks saw different batches since the last
-                comparison (`batches.check_same_batches`), on every rank.
         """
         before, self._pending = self._pending, None
         after = self.snapshot()
@@ -129,8 +114,7 @@ class MetricStates:
         return packed[n + len(checks) :].cpu()
 
     def verify(self):
-        """Compares the ranks' batches since the last comparison (one read
-        on the host), raising on every rank if they differ."""
+        """Compares the ranks' batches since the last comparison (a host read)."""
         if self._spreads is None:
             return
         spreads, sums = self._spreads, self._total_unverified

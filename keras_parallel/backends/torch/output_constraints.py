@@ -1,10 +1,8 @@
 """Layer outputs under `ModelParallel` on torch: where each is laid out.
 
-While `MeshSteps` are installed, every layer's DTensor outputs take their
-planned placements (`OutputConstraints`), and their gradients the same
-(`PlacedGradient`); inside the layers, partial sums are finished where they
-are made (`FinishedSums`). `Embedding` and `MultiHeadAttention` get fixes of
-their own (torch 2.13).
+While `MeshSteps` are installed, layer outputs and their gradients take their
+planned placements, and partial sums are finished where they are made.
+`Embedding` and `MultiHeadAttention` get fixes of their own (torch 2.13).
 """
 
 import torch
@@ -18,33 +16,14 @@ from keras_parallel.replacements import Replacements
 
 
 class OutputConstraints:
-    """Redistributes the outputs of the layers `<layer>/output` keys name.
+    """Gives every layer's DTensor outputs their planned placements.
 
-    While installed, every layer's `call` is wrapped (an instance
-    attribute) so that its DTensor outputs take the planned placements. In a
-    step whose batch is computed whole, the batch axis is dropped from the
-    constraint: the batch is not split there. A layer without a key gets
-    `_default_placements`: partial sums finished, the batch split along the
-    batch axis only.
-
-    Every `Embedding` whose table is split along its rows (the vocabulary)
-    looks its rows up in the table gathered along them, for the call only
-    (the gradient is reduce-scattered back to the shards): torch (2.13)
-    gives such a lookup a `MaskPartial` output, which it cannot carry
-    through later ops (a reshape in `EinsumDense`, a residual `Add`, a batch
-    it split itself: an `AssertionError` or an `IndexError` on the mask's
-    shape).
-
-    Every `MultiHeadAttention` computes its attention on query, key and
-    value laid out alike, split along the batch and the heads only (other
-    splits and partial sums made whole first): keras-nightly's torch
-    `dot_product_attention` computes on each process's local parts and
-    reuses the query's placements for the output, which is wrong for a key
-    or value laid out otherwise (seen: wrong predictions for batches of 11
-    and 12 rows, right ones for 64).
-
-    Args:
-        steps: the `MeshSteps` (mesh, plan, whether the batch is whole).
+    A layer without an `<layer>/output` key gets `_default_placements`. An
+    `Embedding` split along the vocabulary looks up in its table gathered:
+    torch 2.13's `MaskPartial` lookup output breaks later ops (a reshape, an
+    `Add`). `MultiHeadAttention` gets query, key and value laid out alike:
+    keras-nightly's torch attention reuses the query's placements for the
+    output (seen: wrong predictions for batches of 11 and 12 rows).
     """
 
     def __init__(self, steps):
@@ -96,15 +75,11 @@ class OutputConstraints:
         return dtensor_layouts.placements(axes, steps.mesh.mesh_dim_names)
 
     def _default_placements(self, leaf):
-        """A layer output without a key: sums finished, batch on its axis.
+        """A layer output without a key: sums finished, batch on its axis only.
 
-        Left to itself, DTensor may finish a row-split layer's partial sums
-        by a reduce-scatter along the batch (cheaper than an all-reduce) and
-        leave the batch split over the model axis; the next column-split
-        layer then gathers its whole kernel and computes whole gradients
-        (seen: a 256 MB gradient of a 64 MB shard, each step). At a layer's
-        output, as under JAX's plan, partial sums are all-reduced and the
-        batch (dimension 0) is split along the batch axis only.
+        Else DTensor may leave the batch split over the model axis, and the
+        next column-split layer computes whole gradients (seen: 256 MB of
+        gradient for a 64 MB shard, each step).
         """
         steps = self.steps
         return tuple(
@@ -123,7 +98,7 @@ class OutputConstraints:
             if tuple(leaf.placements) != wanted:
                 leaf = leaf.redistribute(self.steps.mesh, wanted)
             if leaf.requires_grad:
-                # Its gradient comes back laid out alike (`PlacedGradient`).
+                # Its gradient comes back laid out alike.
                 leaf = PlacedGradient.apply(leaf)
             return leaf
 
@@ -136,26 +111,17 @@ class OutputConstraints:
 class PlacedGradient(torch.autograd.Function):
     """The identity, whose gradient takes the placements of its input.
 
-    Applied to every layer output (`OutputConstraints`): the backward pass's
-    twin of the output's own placements. The gradient reaching a layer
-    output is otherwise laid out as the ops after it left it, which torch
-    chooses op by op in the backward pass, where no `FinishedSums` runs:
-    behind a column-split `Dense`, an LSTM's output gradient came back as
-    partial sums over the model axis, which torch finished by splitting the
-    batch over the model axis too; inside the LSTM that became a
-    `_StridedShard` of its time-major `[time * batch, features]` matmul
-    input, which torch 2.13 cannot view back as `[time, batch, features]`
-    ("Cannot unflatten tensor with _StridedShard placement"). Given the
-    output's placements (partial sums finished, the batch split along the
-    batch axis only), each layer's backward starts from the layout its
-    forward pass had. The values are the same (a sum finished earlier).
+    Otherwise torch lays a layer output's gradient out op by op: behind a
+    column-split `Dense`, an LSTM's gradient became a `_StridedShard` that
+    torch 2.13 cannot view back ("Cannot unflatten tensor with _StridedShard
+    placement").
     """
 
     @staticmethod
     def forward(ctx, x):
         ctx.mesh = x.device_mesh
         ctx.placements = tuple(x.placements)
-        # A new tensor (a view, no copy) that carries this backward.
+        # A view (no copy) that carries this backward.
         return x.view_as(x)
 
     @staticmethod
@@ -166,7 +132,7 @@ class PlacedGradient(torch.autograd.Function):
 
 
 def _gathered_lookup(call, layer, mesh):
-    """`layer.call` on its table gathered along the rows (class docstring)."""
+    """`layer.call` on its table gathered along the rows (`OutputConstraints`)."""
     from keras_parallel.backends.torch.keras_compat import StatelessScope
 
     def lookup(*args, **kwargs):
@@ -187,7 +153,7 @@ def _gathered_lookup(call, layer, mesh):
 
 
 def _aligned_attention(compute, mesh):
-    """`_compute_attention` on q, k, v split alike (class docstring)."""
+    """`_compute_attention` on q, k, v split alike (`OutputConstraints`)."""
 
     def aligned(query, key, value, *args, **kwargs):
         if isinstance(query, DTensor):
@@ -226,27 +192,15 @@ CONTRACTIONS = frozenset(
 class FinishedSums(TorchFunctionMode):
     """While active, a contraction's partial sums are all-reduced at once.
 
-    A contraction over a split dimension (the matmul of a row-split kernel)
-    gives partial sums. Left to itself, DTensor finishes them where the next
-    op needs it, by the cheapest collective for that op: for a Dense layer's
-    bias add, a reduce-scatter along the batch. The gradient then comes back
-    split along the batch, and DTensor computes the kernel's gradient as
-    whole partial sums, reduce-scattered to the shard afterwards: a 256 MB
-    gradient for a 64 MB shard, each step (seen in the benchmark's MLP).
-    Finished at once (an all-reduce of the activations, as a Megatron
-    row-parallel layer does), the gradient comes back replicated and the
-    kernel's gradient is computed as its shard. The values are the same
-    either way (up to the order of float additions). Only contractions (`CONTRACTIONS`): other partial results (a
-    mean over the split batch, `Partial(avg)`) are left to DTensor, whose
-    backward pass cannot turn a gradient's `Partial(sum)` into them.
-
-    Active around the model's `call` only: the loss, the backward pass and
-    the optimizer's update run after it has exited.
+    Left to DTensor, a row-split Dense's bias add reduce-scatters them along
+    the batch, and the kernel's gradient is computed whole (256 MB for a 64 MB
+    shard in the benchmark's MLP); finished at once, as Megatron does, it is
+    computed as its shard. Other partial results (`Partial(avg)`) are left to
+    DTensor, whose backward cannot make them from a `Partial(sum)`.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # The mode is not active inside this call: `redistribute` below
-        # does not come back here.
+        # The mode is off inside this call: `redistribute` does not recurse.
         result = func(*args, **(kwargs or {}))
         if (
             func in CONTRACTIONS

@@ -1,9 +1,8 @@
 """Each rank's own random stream for what a train step draws.
 
-Every rank starts from rank 0's global random state, so that all shuffle
-alike; unseeded dropout drawing from it would then give every rank the same
-masks. So a train step runs on a generator state of the rank's own (seeded
-once from the shared state and the rank), and the shared state is put back.
+Every rank starts from rank 0's random state so that all shuffle alike, which
+would give unseeded dropout the same masks everywhere; a train step runs on a
+state of the rank's own, and the shared state is put back.
 """
 
 import torch
@@ -28,13 +27,7 @@ def _set_states(states):
 class RankRandomStream:
     """A rank's own torch random state, entered around a train step.
 
-    Args:
-        rank: this process's rank.
-
-    Example:
-
-    >>> stream = RankRandomStream(rank=1)
-    >>> with stream:
+    >>> with RankRandomStream(rank=1):
     ...     outputs = model(x, training=True)  # rank 1's dropout masks
     """
 
@@ -46,8 +39,7 @@ class RankRandomStream:
     def __enter__(self):
         self._shared = _states()
         if self._own is None:
-            # Seeded from the shared stream (without consuming it), so the
-            # masks follow the user's seed as on one device.
+            # From the shared stream, unconsumed: masks follow the user's seed.
             base = int(torch.randint(0, 2**62, (1,)))
             _set_states(self._shared)
             torch.manual_seed(base + self.rank * SEED_STRIDE)

@@ -1,9 +1,8 @@
 """Every rank compares the size of its data before an epoch starts.
 
 Ranks whose data differ in size would meet different collectives, and gloo
-aborts ("Received data size doesn't match expected size") or hangs. So in
-`TorchEpochIterator.__iter__`, before any collective, the ranks all-gather
-their `data_size` and all raise the same `ValueError` if they differ.
+aborts ("Received data size doesn't match expected size") or hangs; instead
+every rank raises the same `ValueError` before any collective.
 """
 
 import sys
@@ -17,20 +16,7 @@ from keras_parallel.backends.torch.flat_buffers import on_group_device
 
 
 class SameDataCheck:
-    """The check of one model's runs, for `TorchEpochIterator.__iter__`.
-
-    Args:
-        model: the Keras model whose runs are checked.
-        world_size: the number of ranks.
-        rank: this rank.
-
-    Example:
-
-    >>> check = SameDataCheck(model, world_size, rank)
-    >>> replacements.replace(
-    ...     TorchEpochIterator, "__iter__", check.epoch_begins(TorchEpochIterator)
-    ... )
-    """
+    """The check of one model's runs, for `TorchEpochIterator.__iter__`."""
 
     def __init__(self, model, world_size, rank):
         self.model = model
@@ -38,37 +24,22 @@ class SameDataCheck:
         self.rank = rank
 
     def epoch_begins(self, iterator_class):
-        """`iterator_class.__iter__`, comparing the data first.
-
-        Args:
-            iterator_class: Keras's torch epoch iterator class.
-
-        Returns:
-            The function to install as its `__iter__`.
-        """
+        """`iterator_class.__iter__`, comparing the data first."""
         keras_iter = iterator_class.__iter__
 
         def begin_epoch(iterator):
-            # Only the iterations of this model's own run: a model a callback
-            # runs on one rank alone must not start a collective. Keras's
-            # trainer iterates in a method of the model (`fit`, `evaluate`,
-            # `predict`, `_symbolic_build`).
+            # Only this model's own runs (Keras iterates in a method of the
+            # model): a model a callback runs on one rank starts no collective.
             if sys._getframe(1).f_locals.get("self") is self.model:
                 self.check(iterator)
-                # Its batches may be divided between the ranks
-                # (`divided_input`); another model's are left alone.
+                # Marks the run whose batches `divided_input` may divide.
                 iterator._kp_model_run = self.model
             return keras_iter(iterator)
 
         return begin_epoch
 
     def check(self, iterator):
-        """Every rank gathers every rank's `data_size`, and all judge alike.
-
-        Raises:
-            ValueError: the ranks' data differ in size (on every rank).
-            PeerFailedError: the all-gather broke because a peer stopped.
-        """
+        """Every rank gathers every rank's `data_size`, and all judge alike."""
         mine = on_group_device(torch.tensor(data_size(iterator), dtype=torch.int64))
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
@@ -82,7 +53,6 @@ class SameDataCheck:
         try:
             check_same_data([p.tolist() for p in parts])
         except ValueError as error:
-            # Every rank raises it, but a rank that gets to another
-            # collective first (a user's own) still learns why.
+            # Published for a rank stuck in another collective (a user's).
             torch_group.publish_failure(self.rank, error)
             raise

@@ -1,10 +1,8 @@
 """Batches one rank prepares and shares: a `PyDataset`, a generator.
 
-Neither lets a rank load only its rows. A `PyDataset`'s batches are made
-round-robin, each by one rank, which scatters every rank its rows; they are
-made on the main thread, since a thread making batches ahead would hold the
-GIL against every step's torch calls. A generator is drawn by rank 0 alone.
-Each scatter is one collective per batch, in the same order on every rank.
+A `PyDataset`'s batches are made round-robin, each by one rank, which scatters
+every rank its rows; on the main thread, as a thread working ahead would hold
+the GIL against the steps' torch calls. A generator is drawn by rank 0 alone.
 """
 
 import numpy as np
@@ -19,23 +17,13 @@ _END = "end of the epoch"
 
 
 def pydataset_batches(adapter, world_size, rank):
-    """This rank's rows of each batch of a `PyDatasetAdapter`'s epoch.
-
-    Args:
-        adapter: Keras's data adapter of the `PyDataset` (finite).
-        world_size: the number of ranks.
-        rank: this rank.
-
-    Returns:
-        A generator of `(global rows, this rank's rows)`.
-    """
+    """`(global rows, this rank's rows)` of each batch of a finite `PyDataset`."""
     dataset = adapter.py_dataset
     order = kinds.epoch_order(adapter, dataset.num_batches)
     made = None
     for k in range(len(order)):
         if k % world_size == 0:
-            # The next `W` positions: each rank makes its own one at once,
-            # all in parallel; then `W` scatters hand them round.
+            # The next `W` batches: each rank makes one, then `W` scatters.
             position = k + rank
             made = None
             if position < len(order):
@@ -45,16 +33,10 @@ def pydataset_batches(adapter, world_size, rank):
 
 
 def generator_batches(numpy_batches, world_size, rank):
-    """This rank's rows of each batch of a generator rank 0 draws.
+    """`(global rows, this rank's rows)` of each batch of a generator.
 
     Args:
-        numpy_batches: Keras's NumPy iterator of the generator (read on
-            rank 0 only).
-        world_size: the number of ranks.
-        rank: this rank.
-
-    Returns:
-        A generator of `(global rows, this rank's rows)`.
+        numpy_batches: Keras's NumPy iterator of it (read on rank 0 only).
     """
     while True:
         batch = None

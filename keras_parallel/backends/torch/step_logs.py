@@ -1,10 +1,9 @@
 """When per-step logs must be global numbers, on torch.
 
-The metrics' all-reduce runs after every step only when a callback reads
-per-step logs, else once when Keras reads the results (docs/benchmarks.md:
-4 to 7 % of a step). The choice must be the same on every rank, or the ranks
-wait on different collectives: it reads only the callbacks the user passed
-and `verbose`, never which a rank took out, and only the model's own runs.
+The metrics' all-reduce runs after every step only when a callback reads step
+logs (docs/benchmarks.md: 4 to 7 % of a step). Every rank must choose alike,
+so the choice reads only the user's callbacks and `verbose`, in the model's
+own runs.
 """
 
 import numpy as np
@@ -16,8 +15,7 @@ from keras_parallel.backends.torch.keras_compat import is_default
 
 _STEP_HOOKS = ("on_batch_end", "on_train_batch_end", "on_test_batch_end")
 
-# Taken out of the runs of ranks other than 0 (`keras_parallel.chief`), or
-# with hooks that differ between ranks: judged by class, conservatively,
+# Removed on ranks other than 0 (`keras_parallel.chief`): judged by class,
 # never by their hooks.
 _RANK_ZERO_WRITERS = (
     keras_callbacks.ModelCheckpoint,
@@ -28,19 +26,7 @@ _RANK_ZERO_WRITERS = (
 
 
 def reads_step_logs(callback_list):
-    """Whether any callback of a run reads the logs of each step.
-
-    Args:
-        callback_list: the run's `keras.callbacks.CallbackList`.
-
-    Returns:
-        True if the per-step logs must be global numbers.
-
-    Example:
-
-    >>> reads_step_logs(keras.callbacks.CallbackList([keras.callbacks.History()]))
-    False
-    """
+    """Whether any callback of a run's `CallbackList` reads each step's logs."""
     for callback in callback_lists.every_callback(callback_list):
         if isinstance(callback, keras_callbacks.ProgbarLogger):
             # verbose=2 prints epoch logs only; 0 adds no progress bar.
@@ -56,12 +42,8 @@ def reads_step_logs(callback_list):
 class StepLogPolicy:
     """Tells `RankSteps` at the start of each run whether step logs are read.
 
-    The choice is made from each run's callback list (`callback_lists.py`)
-    and put in force by a callback placed first in it, when a `fit` or an
-    `evaluate` begins (not a `predict`, which logs no metric).
-
-    Args:
-        steps: the `RankSteps` to configure.
+    A callback placed first in the run's list sets it when a `fit` or an
+    `evaluate` begins.
     """
 
     def __init__(self, steps):
@@ -77,9 +59,8 @@ class StepLogPolicy:
             self._remove = None
 
     def _choose(self, callback_list):
-        # Only this model's own runs: a plain model a callback evaluates on
-        # rank 0 alone must start no collective, and a distributed model run
-        # inside this one's `fit` must not change its choice.
+        # Only this model's runs: a model a callback runs (on rank 0 alone, or
+        # distributed) must not change this one's choice.
         if callback_list.model is self.steps.model:
             reads = reads_step_logs(callback_list)
 
@@ -94,33 +75,15 @@ class StepLogPolicy:
 class ReturnedLogs:
     """The logs a custom step returned, and how each entry is made global.
 
-    Keras's own steps return the metrics' results read through
-    `get_metrics_result`, which `RankSteps` makes global. A custom step (as
-    the Keras guide "Customizing what happens in fit() with PyTorch" writes
-    it) returns `{m.name: m.result() for m in self.metrics}`, read from this
-    rank's metric state inside the step, and Keras keeps those logs for the
-    callbacks, the History and `evaluate` (the keys differ from
-    `get_metrics_result`'s: `compile_metrics` holds a dict). Each entry is
-    made global here:
-
-    - a metric's result (its key names a metric of the model, or an entry of
-      a metric's dict result, and its value is what that `result()` gives on
-      this rank after the step): read again once the metric states are
-      global, the same on every rank;
-    - any other number (a 0-d tensor, a Python number): the mean over ranks
-      weighted by the rows each rank computed, the one-process number for a
-      mean over the batch (a loss), not for a sum or a maximum;
-    - anything else (a tensor of another shape): this rank's own.
-
-    An entry is a metric's result only where every rank finds it one. What
-    the ranks add (`packed`) has a size set by the keys alone, so it rides
-    the metrics' all-reduce with no collective of its own.
+    An entry that is a metric's result on every rank is read again once the
+    states are global; any other number is averaged over the ranks weighted
+    by their rows; anything else stays this rank's. `packed`'s size depends on
+    the keys alone, so it rides the metrics' all-reduce.
 
     Args:
-        logs: the dict the step returned.
-        metrics: the model's `metrics`, as they are right after the step.
-        rows: the rows of the global batch this rank counted in the step (0
-            where another rank counts them: a batch computed whole).
+        metrics: the model's `metrics`, right after the step.
+        rows: the rows this rank counted in the step (0 where another rank
+            counts a batch computed whole).
     """
 
     def __init__(self, logs, metrics, rows):
@@ -141,23 +104,14 @@ class ReturnedLogs:
             self._sums.append(0.0 if number is None else number * self._rows)
 
     def packed(self):
-        """This rank's part of the all-reduce: flags, weighted numbers, rows.
-
-        Returns:
-            A float64 tensor of `2 * len(logs) + 1` values.
-        """
+        """This rank's part of the all-reduce: flags, weighted numbers, rows."""
         values = self._flags + self._sums + [self._rows]
         return torch.tensor(values, dtype=torch.float64)
 
     def rebuilt(self, reduced, world_size):
-        """The logs, every entry global (read after the metric states are).
+        """A new dict of the logs made global, from `packed()` summed over ranks.
 
-        Args:
-            reduced: `packed()` summed over the ranks.
-            world_size: the number of ranks.
-
-        Returns:
-            A new dict with the step's keys.
+        Read after the metric states are made global.
         """
         n = len(self.logs)
         reduced = reduced.tolist()
@@ -179,9 +133,8 @@ class ReturnedLogs:
 
 
 def _metric_results(metrics):
-    """`{key: (metric, entry, result)}`: each metric's result under its name,
-    and each entry of a dict result (`compile_metrics`) under its key; a
-    metric's own name wins."""
+    """`{key: (metric, entry, result)}` for each metric's name and each entry of
+    a dict result; a metric's own name wins."""
     found, entries = {}, {}
     for metric in metrics:
         try:

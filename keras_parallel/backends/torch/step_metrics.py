@@ -7,13 +7,7 @@ from keras_parallel.backends.torch.flat_buffers import on_group_device
 
 
 class StepMetrics:
-    """The metric side of `steps.RankSteps`, mixed into it.
-
-    Reads the steps' state: `_metric_states`, `_global_step_logs` (every
-    step's logs made global, or only the epoch's), `_in_step`, `_returned`
-    (a custom step's last logs, still local), `_whole`, `_counts` and
-    `world_size`.
-    """
+    """The metric side of `steps.RankSteps`, mixed into it."""
 
     def _metrics_result(self):
         # Inside a step whose logs nobody reads, the local results do.
@@ -26,11 +20,9 @@ class StepMetrics:
         return self._original_metrics_result()
 
     def _global_logs(self, returned):
-        """A custom step's logs made global (`step_logs.ReturnedLogs`).
+        """A custom step's logs made global, in the metrics' all-reduce if due.
 
-        In the metrics' all-reduce where one is due (once per step, or once
-        at the end of the epoch); a step that made them global itself
-        (asking for `get_metrics_result`) costs one more for its own numbers.
+        A step that made the states global itself costs one more all-reduce.
         """
         if self._metric_states.pending:
             reduced = self._reduce_metrics(returned.packed())
@@ -40,13 +32,8 @@ class StepMetrics:
         return returned.rebuilt(reduced, self.world_size)
 
     def _epoch_logs(self, keras_method):
-        """Keras's `_get_metrics_result_or_logs`, given a custom step's
-        last logs made global.
-
-        Keras keeps the last step's logs for the epoch (or the evaluation)
-        where their keys differ from `get_metrics_result`'s; without callbacks
-        reading step logs they are still this rank's own (`_run`).
-        """
+        """Keras's `_get_metrics_result_or_logs`, given a custom step's last
+        logs made global (Keras keeps them for the epoch)."""
 
         def get_metrics_result_or_logs(logs):
             returned, self._returned = self._returned, None
@@ -57,12 +44,7 @@ class StepMetrics:
         return get_metrics_result_or_logs
 
     def _reduce_metrics(self, extra=None):
-        """Makes the metric states global (`metric_states.MetricStates`).
-
-        When every step is made global, a batch computed whole by every
-        rank counts on one rank only (`_counts`).
-        """
+        """Makes the metric states global (per step, a whole batch counts once)."""
         counted = not self._global_step_logs or self._counts(self._whole)
-        # Inside a step the batches' comparison waits (no host read per
-        # step); outside it (the epoch's end) it is read.
+        # No host read per step: the batches' comparison waits.
         return self._metric_states.reduce(counted, extra, verify=not self._in_step)

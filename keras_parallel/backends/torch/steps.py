@@ -1,10 +1,8 @@
 """What each rank does inside Keras's own torch steps (docs/torch.md).
 
-Every rank runs Keras's loop over the same global batches; in one step it
-takes its rows, runs the forward pass through `DistributedDataParallel` with
-its output gradient scaled by its share of the rows (so an uneven batch's
-average is the global mean's gradient), makes the metric states global
-(`metric_states`, `step_logs`), and gathers `predict`'s rows in input order.
+In one step a rank takes its rows, runs the forward pass through DDP with its
+output gradient scaled by its share of the rows (so an uneven batch gives the
+global mean's gradient), makes the metrics global, and gathers `predict`'s rows.
 """
 
 import contextlib
@@ -33,30 +31,22 @@ from keras_parallel.replacements import Replacements
 
 
 class RankSteps(StepMetrics):
-    """Installs the per-rank train/test/predict steps on one model: instance
-    attributes wrapping its own (a custom `train_step` runs too), set while
-    an entry point runs.
+    """Wraps one model's own train/test/predict steps while an entry point runs.
 
     Args:
-        model: the Keras model.
-        ddp: the `DistributedDataParallel` of `DDPModule(model)`.
-        world_size: the number of ranks.
-        rank: this rank.
+        ddp: the `DistributedDataParallel` of `DDPModule(model)`, or None.
     """
 
-    #: Whether each rank loads only its rows of a batch (`divided_input`);
-    #: a data group's rows (`MeshSteps`) are cut from the whole batch.
+    #: Whether each rank loads only its rows of a batch (`divided_input`).
     divides_input = True
 
-    #: Whether the gradients are averaged here (DDP or `GradientMean`);
-    #: DTensor variables (`MeshSteps`) reduce their own.
+    #: Whether gradients are averaged here (DDP or `GradientMean`).
     reduces_gradients = True
 
     def __init__(self, model, ddp, world_size, rank, make_ddp=None):
         self.model = model
         self.ddp = ddp
-        #: Makes DDP once every trainable variable had a gradient on every
-        #: rank; until then (and with `ddp` None) `GradientMean` averages.
+        #: Makes DDP once every variable had a gradient (`GradientMean` until then).
         self.make_ddp = make_ddp
         self.gradient_mean = GradientMean(model, world_size)
         self.world_size = world_size
@@ -78,8 +68,7 @@ class RankSteps(StepMetrics):
         self._random_stream = RankRandomStream(rank)
         #: Gradient accumulation: no all-reduce on micro-steps (DDP only).
         self.accumulation = AccumulatedGradients(model, world_size)
-        #: Set by a train step: non-trainable variables (BatchNorm moving
-        #: statistics) may differ across ranks until `sync_non_trainable`.
+        #: After a train step: non-trainable variables may differ across ranks.
         self.dirty = False
 
     # -------------------------------------------------------- install
@@ -88,9 +77,7 @@ class RankSteps(StepMetrics):
             return
         model = self.model
         self._own_call = model.call
-        # Set once for the entry point (a per-step `setattr` goes through
-        # Keras's attribute tracking every step); each step turns the
-        # routing on and off (`_route_call`).
+        # Set once, not per step: `setattr` goes through Keras's tracking.
         self._call_route.replace(model, "call", self._call)
         self._original_metrics_result = local_metrics_result(model)
         self._keras_steps = {
@@ -121,8 +108,7 @@ class RankSteps(StepMetrics):
             )
         self._install_gradient_reduction()
         self._step = 0
-        # Until a run's callbacks say otherwise (train_on_batch has none,
-        # and returns its logs to the user): global logs at every step.
+        # Until a run's callbacks say otherwise (`train_on_batch` has none).
         self._global_step_logs = True
         self._installed = True
 
@@ -136,12 +122,7 @@ class RankSteps(StepMetrics):
         self._installed = False
 
     def use_ddp(self, ddp, make_ddp=None):
-        """Reduces gradients with `ddp` from now on (None: `GradientMean`).
-
-        Args:
-            ddp: a new `DistributedDataParallel` wrapper, or None.
-            make_ddp: see the constructor.
-        """
+        """Reduces gradients with `ddp` from now on (None: `GradientMean`)."""
         if self._installed:
             self._uninstall_gradient_reduction()
         self.ddp, self.make_ddp = ddp, make_ddp
@@ -159,8 +140,7 @@ class RankSteps(StepMetrics):
         self.gradient_mean.uninstall()
 
     def _ddp_once_every_variable_is_used(self):
-        # Decided on the first step that had gradients, alike on every rank
-        # (from the one all-reduce of their counts).
+        # Alike on every rank: from the all-reduce of the gradient counts.
         if self.make_ddp is None or self.ddp is not None:
             return
         if self.gradient_mean.all_used:
@@ -169,7 +149,7 @@ class RankSteps(StepMetrics):
             self.make_ddp = None  # Unused variables: GradientMean stays.
 
     def set_global_step_logs(self, on):
-        """Whether each step's logs are made global (see `torch_step_logs`)."""
+        """Whether each step's logs are made global (`step_logs`)."""
         if self._metric_states.pending and not self._in_step:
             self._reduce_metrics()  # What the last run left local.
         self._global_step_logs = bool(on)
@@ -230,12 +210,10 @@ class RankSteps(StepMetrics):
                 self._route_call(False)
             return outputs if whole else self._gather(outputs, rows)
         self._metric_states.start()
-        # Every rank computes a whole batch (or, under ModelParallel, its
-        # data group's rows); one rank alone may count them.
+        # A batch computed by several ranks is counted by one.
         lazy_skip = not self._counts(whole) and not self._global_step_logs
         before_step = self._metric_states.snapshot() if lazy_skip else None
-        # Batches divided between the ranks differ by design: their sizes
-        # are compared, not their contents.
+        # Divided batches differ by design: only their sizes are compared.
         self._metric_states.saw(rows, data if global_rows is None else None)
         self._in_step = True
         try:
@@ -257,8 +235,7 @@ class RankSteps(StepMetrics):
             self._ddp_once_every_variable_is_used()
         returned = None
         if isinstance(logs, dict) and not self._keras_steps.get(kind, False):
-            # Read before this rank's metric state is put back (a rank that
-            # does not count a whole batch): its results are the step's.
+            # Read before a non-counting rank's metric state is put back.
             rows_counted = (stop - start) if self._counts(whole) else 0
             returned = ReturnedLogs(logs, self.model.metrics, rows_counted)
         if before_step is not None:
@@ -273,7 +250,7 @@ class RankSteps(StepMetrics):
             self._reduce_metrics()
         return logs
 
-    # What a subclass (`model_parallel.MeshSteps`) changes, one decision each.
+    # What a subclass (`mesh_steps.MeshSteps`) changes, one decision each.
     def _check_batch(self, rows):
         if rows < self.world_size:
             raise ValueError(
@@ -298,11 +275,11 @@ class RankSteps(StepMetrics):
         return self.world_size * (stop - start) / used
 
     def _update_weight(self, rows, start, stop, whole):
-        """The weight of this rank's one-value-per-step metric updates
-        (`update_weights`): the world size times the share of the batch's
-        rows it counts, so that every step weighs the world size in all,
-        whichever ranks count it (all of them, a data group's leaders, or
-        one rank for a batch computed whole)."""
+        """The weight of this rank's one-value-per-step metric updates.
+
+        `W` times its counted share of the rows, so every step weighs `W` in
+        all (`update_weights`).
+        """
         counted = rows if whole else stop - start
         return self.world_size * counted / rows
 
@@ -334,18 +311,15 @@ class RankSteps(StepMetrics):
         self._routing = bool(on) and self._needs_route()
 
     def _call(self, *args, **kwargs):
-        # Keras's Layer.__call__ looks `call` up on the instance: this is
-        # the model's `call` while an entry point runs.
+        # `Layer.__call__` looks `call` up on the instance: this runs instead.
         if self._routing:
             return self._routed_call(*args, **kwargs)
         return self._own_call(*args, **kwargs)
 
     def _routed_call(self, *args, **kwargs):
-        # The outermost forward of a step, through DDP, which runs the
-        # model's own call.
+        # The outermost forward of a step, through DDP.
         if self.ddp is not None and torch.is_grad_enabled():
-            # A gradient-accumulation micro-step reduces nothing
-            # (`accumulation`).
+            # A micro-step reduces nothing (`accumulation`).
             with self.accumulation.forward_context(self.ddp):
                 outputs = self.ddp(*args, **kwargs)
         else:
@@ -358,12 +332,11 @@ class RankSteps(StepMetrics):
         return outputs
 
     def _batch_losses(self):
-        """The losses this forward pass added (`add_loss`, activity
-        regularizers), each a mean over this rank's rows, as the outputs'
-        loss is: their gradients are scaled alike, or an uneven batch would
-        weigh each rank's rows by its share of the ranks, not of the rows.
-        Weight regularizers are not among them: every rank adds the whole
-        penalty, and DDP's average keeps it once."""
+        """The losses this forward pass added, scaled like the outputs'.
+
+        Each is a mean over this rank's rows. Weight regularizers are not
+        among them: DDP's average keeps the whole penalty once.
+        """
         return [
             loss
             for layer in self.model._flatten_layers(include_self=True)
@@ -381,8 +354,7 @@ class RankSteps(StepMetrics):
     def sync_non_trainable(self):
         """Gives every rank rank 0's non-trainable floating variables.
 
-        BatchNorm's moving statistics are updated from each rank's own rows
-        (unless `sync_batchnorm`); as DDP does with buffers, rank 0's win.
+        As DDP does with buffers: BatchNorm's moving statistics differ by rank.
         """
         self.dirty = False
         variables = [

@@ -1,9 +1,7 @@
 """`sync_batchnorm=True`: Keras BatchNormalization with global batch statistics.
 
-While an entry point runs, a `BatchNormalization`'s `_moments` (the only
-place it computes batch statistics) sums the rows' sums, squares and count
-over the ranks with an autograd-aware all-reduce, as `torch.nn.SyncBatchNorm`
-does, so the backward pass is global too.
+A `BatchNormalization`'s `_moments` sums the rows' sums, squares and count over
+the ranks with an autograd-aware all-reduce, as `torch.nn.SyncBatchNorm` does.
 """
 
 import math
@@ -27,14 +25,7 @@ def batchnorm_layers(model):
 def global_moments(layer):
     """A `_moments(inputs, mask)` for `layer` over the rows of every rank.
 
-    Sums are taken in float64 so that one pass (mean of squares minus square
-    of mean) is as exact as a float32 two-pass variance.
-
-    Args:
-        layer: a `keras.layers.BatchNormalization`.
-
-    Returns:
-        The function, returning `(mean, variance)` like the layer's own.
+    In float64, so that one pass is as exact as a float32 two-pass variance.
     """
     own = layer._moments
 
@@ -65,11 +56,7 @@ def global_moments(layer):
 
 
 class SyncBatchNorm:
-    """Installs `global_moments` on every BatchNorm layer of a model.
-
-    Args:
-        model: the Keras model.
-    """
+    """Installs `global_moments` on every BatchNorm layer of a model."""
 
     def __init__(self, model):
         self.model = model

@@ -1,10 +1,8 @@
 """One value per step, weighted by the rows behind it, on torch ranks.
 
-A custom step that updates a `Mean` with one value per step (the Keras
-guide's `loss_tracker.update_state(loss)`) gives it weight 1, and summed over
-ranks that weighs an uneven batch's rows by their rank. So each counting
-rank's update weighs `W * n_r / N`: every step weighs `W` in all, and the
-epoch's mean is one device's.
+A custom step's `loss_tracker.update_state(loss)` gives weight 1, which summed
+over ranks weighs an uneven batch's rows by rank. Each counting rank's update
+weighs `W * n_r / N` instead: every step weighs `W`, as on one device.
 """
 
 import contextlib
@@ -16,21 +14,8 @@ from keras_parallel.replacements import Replacements
 
 @contextlib.contextmanager
 def weighted_per_step_updates(metrics, weight):
-    """While in scope, one unweighted value given to a `Mean` weighs `weight`.
-
-    Only a 0-d value without `sample_weight` (one update per step) is
-    reweighted: a batch of values, or a value with its own weight, already
-    counts rows.
-
-    Args:
-        metrics: the model's metrics (`model.metrics`).
-        weight: this rank's weight for the step's updates.
-
-    Example:
-
-    >>> with weighted_per_step_updates(model.metrics, 2 * 21 / 43):
-    ...     model.train_step(data)
-    """
+    """While in scope, a 0-d value given to a `Mean` without `sample_weight`
+    weighs `weight`; other updates already count rows."""
     if weight == 1.0:
         yield
         return
