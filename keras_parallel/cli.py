@@ -45,13 +45,13 @@ def _demo(args):
             kept.append(f"--xla_force_host_platform_device_count={count}")
             os.environ["XLA_FLAGS"] = " ".join(kept)
     from keras_parallel import demo
-    from keras_parallel.backends import executor_class
+    from keras_parallel.launcher.demo_processes import demo_processes
 
     # A partial of a module-level function: picklable, so a backend may run
     # it in processes it starts (torch: one per device).
     run = functools.partial(demo.run, epochs=args.epochs, batch_size=args.batch_size)
     devices = args.devices or SIMULATED_DEVICES
-    processes = executor_class(args.backend).demo_processes(devices)
+    processes = demo_processes(args.backend, devices)
     if processes == 1:
         accuracy = run()
     else:

@@ -186,11 +186,11 @@ def test_metric_state_survives_the_move():
 
 
 def test_demo_splits_the_cpu_and_runs_in_this_process():
-    from keras_parallel.backends.tensorflow.executor import TensorFlowExecutor
+    from keras_parallel.launcher.demo_processes import demo_processes
 
     # The runtime already runs with 4 devices: asking for 4 or fewer is a
     # no-op, asking for more is a clear error.
-    assert TensorFlowExecutor.demo_processes(4) == 1
+    assert demo_processes("tensorflow", 4) == 1
     if not tf.config.list_physical_devices("GPU"):
         with pytest.raises(RuntimeError, match="runtime already started"):
-            TensorFlowExecutor.demo_processes(16)
+            demo_processes("tensorflow", 16)

@@ -74,17 +74,6 @@ class Executor(abc.ABC):
         return [0] * count
 
     @classmethod
-    def demo_processes(cls, num_devices):
-        """How many processes `keras-parallel demo` trains in (1: this one).
-
-        A backend that needs set-up before its runtime starts (logical
-        devices) does it here; one that runs a process per device returns
-        their count (`num_devices` without an accelerator), and the demo
-        starts them with `keras_parallel.launch`.
-        """
-        return 1
-
-    @classmethod
     def more_devices_hint(cls):
         """How to give this backend more than one device, as the end of a
         sentence (no full stop), for `report.one_device_hint`."""

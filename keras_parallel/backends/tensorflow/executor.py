@@ -80,13 +80,6 @@ class TensorFlowExecutor(Executor):
         return [tf_devices.normalize(d) for d in devices]
 
     @classmethod
-    def demo_processes(cls, num_devices):
-        """Splits the CPU into `num_devices` logical devices if there is no GPU."""
-        if not tf.config.list_physical_devices("GPU"):
-            tf_devices.split_cpu(num_devices)
-        return 1
-
-    @classmethod
     def more_devices_hint(cls):
         # TensorFlow fixes its devices when its runtime starts.
         return (

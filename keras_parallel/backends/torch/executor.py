@@ -72,19 +72,6 @@ class TorchExecutor(Executor):
         return [str(d).lower().replace("gpu", "cuda") for d in devices]
 
     @classmethod
-    def demo_processes(cls, num_devices):
-        """One process per device (per GPU if any), or this one under torchrun.
-
-        Under `torchrun` (a group already set up by the environment) every
-        rank runs the demo itself.
-        """
-        if torch_group.env_world_size() > 1 or torch_group.is_distributed():
-            return 1
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-        return num_devices
-
-    @classmethod
     def more_devices_hint(cls):
         # One process per device: a lone process is one device, GPUs or not.
         return (
