@@ -114,7 +114,7 @@ def test_the_graph_is_read_from_the_source():
     # Spot checks that the reader sees module-level, function-level and
     # `from package import module` imports.
     assert "binding" in edges["model"]
-    assert "backends.jax.orbax" in edges["backends.jax.executor"]
+    assert "backends.jax.orbax" in edges["backends.jax.checkpoint_io"]
     assert "launcher.checks" in edges["launcher.local_processes"]
     assert len(edges) > 50
 
