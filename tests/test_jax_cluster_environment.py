@@ -61,7 +61,12 @@ def check_one_group(out, one_device):
 
 
 @multi_process
-@pytest.mark.parametrize("launcher", ["srun", "mpirun", "torchelastic"])
+# One launcher a backend, each launcher on one backend (JAX mpirun, torch
+# torchelastic, TensorFlow srun): the join reads one `ClusterEnvironment`
+# whatever set it, and each launcher's variables are read in
+# tests/test_cluster_environments.py. mpirun here: the script also calls
+# `keras.distribution.initialize()`.
+@pytest.mark.parametrize("launcher", ["mpirun"])
 def test_two_processes_train_as_one_group(tmp_path, one_device, launcher):
     # Under mpirun the script also calls `keras.distribution.initialize()`.
     initializes = "1" if launcher == "mpirun" else "0"
