@@ -53,7 +53,7 @@ def chief_only_saving(model, saving=None):
     """Makes `model.save` and `save_weights` write nothing on this (non-chief) rank.
 
     Args:
-        saving: the executor's `saving(model)`, entered instead of writing
+        saving: the executor's `checkpoint_io.saving(model)`, entered instead of writing
             where saving is a collective (JAX across processes).
 
     Returns:

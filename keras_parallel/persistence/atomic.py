@@ -74,7 +74,7 @@ def call_replacing(save, args, kwargs, executor=None, model=None):
         args: its positional arguments.
         kwargs: its keyword arguments.
         executor: the model's executor, if it is distributed: its
-            `saving(model)` is in force while the file is written.
+            `checkpoint_io.saving(model)` is in force while the file is written.
         model: the model `save` saves (with `executor`).
 
     Returns:

@@ -266,7 +266,7 @@ def gathered_saving(model, saving):
 
     Args:
         model: the model of the chief process.
-        saving: the runner's `saving(model)` context.
+        saving: the executor's `checkpoint_io.saving`.
 
     Returns:
         A function that undoes it.
