@@ -211,10 +211,13 @@ def test_local_batchnorm_statistics_were_trained(two_ranks, single):
     assert max(moved) > 1e-3
 
 
-def test_each_rank_draws_its_own_dropout_mask():
+# Keras's global seed generator (`RankRandomStream`), and a layer's own
+# seed generator, a variable every rank builds alike (offset by rank).
+@pytest.mark.parametrize("seed", [None, 7])
+def test_each_rank_draws_its_own_dropout_mask(seed):
     # As the slices of one global batch would: rank 1's rows are not masked
     # like rank 0's (they would be if the rank were not in the seed).
-    masks = _launch(workers.dropout_masks, 2)
+    masks = _launch(workers.dropout_masks, 2, args=(seed,))
     assert masks[0].shape == masks[1].shape == (32, 16)
     assert 0 < masks[0].mean() < 1
     assert not np.array_equal(masks[0], masks[1])

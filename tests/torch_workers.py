@@ -301,8 +301,9 @@ def fail_at(step=3, failing_rank=1, where="step", batchnorm=False):
     return "finished"
 
 
-def dropout_masks(rows=64):
-    """The dropout mask each rank draws in its first train step."""
+def dropout_masks(seed=None, rows=64):
+    """The dropout mask each rank draws in its first train step (`seed`: the
+    layer's own, a seed generator variable of the model)."""
     keras = _keras()
     import keras_parallel
 
@@ -320,7 +321,7 @@ def dropout_masks(rows=64):
 
     keras.utils.set_random_seed(3)
     inputs = keras.Input((16,))
-    outputs = keras.layers.Dense(2)(RecordingDropout(0.5)(inputs))
+    outputs = keras.layers.Dense(2)(RecordingDropout(0.5, seed=seed)(inputs))
     model = Net(inputs=inputs, outputs=outputs)
     _compile(model, keras_parallel.DataParallel())
     x = np.ones((rows, 16), "float32")
