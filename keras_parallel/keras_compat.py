@@ -183,6 +183,14 @@ REPLACED = (
         "(`backends/torch/model_parallel.py`)",
         on_instances=True,
     ),
+    Target(
+        "keras.src.models.model.Model",
+        "__class__",
+        "while an entry point runs, a subclass of the model's own class with "
+        "the backend's trainer first (`trainer_class.py`); `model.__class__` "
+        "still shows the model's own",
+        on_instances=True,
+    ),
 )
 
 #: Attributes of Keras objects that keras_parallel reads or sets, by owner.

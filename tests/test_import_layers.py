@@ -22,6 +22,7 @@ LAYERS = (
         "replacement_targets",
         "replacements",
         "instance_methods",
+        "trainer_class",
         "layout_keys",
         "logical_axes",
         "layout_rules",

@@ -223,10 +223,15 @@ def test_each_rank_draws_its_own_dropout_mask(seed):
     assert not np.array_equal(masks[0], masks[1])
 
 
-def test_the_models_call_is_put_back_after_every_entry_point(two_ranks):
-    # fit, evaluate and predict route `call` through DDP while they run.
+def test_the_models_class_puts_the_trainer_first_while_fit_runs(two_ranks):
+    # fit, evaluate and predict run the model as a `TorchTrainer` subclass of
+    # its own class, which `model.__class__` still shows; put back after each.
     for name, ranks in two_ranks.items():
-        assert [r["call_left_replaced"] for r in ranks] == [False, False], name
+        own = "Functional" if CASES[name].get("door") == "callback" else "Net"
+        for rank in ranks:
+            trainer = ["TorchTrainer", "TrainerMixin"]
+            assert rank["class_during_fit"] == (own, trainer), name
+            assert rank["class_after"] == (own, []), name
 
 
 def test_training_moved_the_weights(two_ranks, single):

@@ -162,6 +162,16 @@ def train(
         _compile(model)
         if distribution is not None:
             callbacks.append(keras_parallel.ShardingCallback(distribution))
+    classes = {}
+    keras = _keras()
+
+    class RecordClass(keras.callbacks.Callback):
+        # The model's class while `fit` runs: its own, behind the trainer.
+        def on_train_batch_end(self, batch, logs=None):
+            model = self.model
+            classes.setdefault("during_fit", _class_of(model))
+
+    callbacks.append(RecordClass())
     data = {"x": x, "y": y}
     if data_kind == "dataloader":
         import torch
@@ -204,9 +214,17 @@ def train(
         "step_logs": step_logs,
         "rank": int(os.environ.get("RANK", "0")),
         "split": split,
-        # The entry points replace the model's `call`; put back after each.
-        "call_left_replaced": "call" in vars(model),
+        # The entry points swap the model's class; put back after each.
+        "class_during_fit": classes["during_fit"],
+        "class_after": _class_of(model),
     }
+
+
+def _class_of(model):
+    """`(what model.__class__ shows, the bases of type(model) before it)`."""
+    shown = model.__class__
+    mro = type(model).__mro__
+    return shown.__name__, [c.__name__ for c in mro[1 : mro.index(shown)]]
 
 
 class _ArraySequence:

@@ -127,32 +127,11 @@ OTHER_PRIVATE_NAMES = {
 #: `keras_parallel.replacements`.
 REPLACED = (
     Target(
-        "keras.src.models.model.Model",
-        (
-            "train_step",
-            "test_step",
-            "predict_step",
-            "get_metrics_result",
-            "_get_metrics_result_or_logs",
-        ),
-        "per-rank steps and global metrics; a custom step's logs made global "
-        "(`steps.py`, `step_logs.py`)",
-        on_instances=True,
-    ),
-    Target(
         "keras.src.backend.torch.trainer.TorchEpochIterator",
         ("__iter__", "_get_iterator"),
         "every rank compares the size of its data with the others' before an "
         "epoch's first collective (`same_data.py`); each rank loads only its "
         "rows of a map-style loader's global batches (`divided_input.py`)",
-    ),
-    Target(
-        "keras.src.models.model.Model",
-        "call",
-        "forward pass through DDP (`steps.py`) or on DTensors "
-        "(`mesh_steps.py`): replaced for the entry point, routed in train "
-        "steps (and, on a mesh, every step)",
-        on_instances=True,
     ),
     Target(
         "keras.src.metrics.reduction_metrics.Mean",

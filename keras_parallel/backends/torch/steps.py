@@ -26,8 +26,11 @@ from keras_parallel.backends.torch.random_stream import RankRandomStream
 from keras_parallel.backends.torch.same_data import SameDataCheck
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.backends.torch.step_metrics import StepMetrics
+from keras_parallel.backends.torch.trainer import NAMES as TRAINER_NAMES
+from keras_parallel.backends.torch.trainer import TorchTrainer
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
+from keras_parallel.trainer_class import swap_class
 
 
 class RankSteps(StepMetrics):
@@ -53,8 +56,7 @@ class RankSteps(StepMetrics):
         self.rank = rank
         self._installed = False
         self._replacements = Replacements()
-        #: `call`, replaced for the entry point; routed in a step only.
-        self._call_route = Replacements()
+        self._restore_class = None
         self._own_call = None
         self._routing = False
         self._grad_scale = 1.0
@@ -76,25 +78,22 @@ class RankSteps(StepMetrics):
         if self._installed:
             return
         model = self.model
+        # The model's own methods, read before its class puts the trainer's
+        # first (`trainer.TorchTrainer`).
         self._own_call = model.call
-        # Set once, not per step: `setattr` goes through Keras's tracking.
-        self._call_route.replace(model, "call", self._call)
         self._original_metrics_result = local_metrics_result(model)
         self._keras_steps = {
             kind: keras_step(model, f"{kind}_step") for kind in ("train", "test")
         }
         self._returned = None
-        for kind in ("train", "test", "predict"):
-            name = f"{kind}_step"
-            self._replacements.replace(
-                model, name, self._wrap(getattr(model, name), kind)
-            )
-        self._replacements.replace(model, "get_metrics_result", self._metrics_result)
-        self._replacements.replace(
-            model,
-            "_get_metrics_result_or_logs",
-            self._epoch_logs(model._get_metrics_result_or_logs),
-        )
+        #: This rank's `train`, `test` and `predict` steps, which `TorchTrainer` runs.
+        self.steps = {
+            kind: self._wrap(getattr(model, f"{kind}_step"), kind)
+            for kind in ("train", "test", "predict")
+        }
+        self.epoch_logs = self._epoch_logs(model._get_metrics_result_or_logs)
+        object.__setattr__(model, "_kp_steps", self)
+        self._restore_class = swap_class(model, TorchTrainer, TRAINER_NAMES)
         self._replacements.replace(
             TorchEpochIterator,
             "__iter__",
@@ -115,10 +114,12 @@ class RankSteps(StepMetrics):
     def uninstall(self):
         if not self._installed:
             return
-        self._call_route.restore()
         self._routing = False
         self._uninstall_gradient_reduction()
         self._replacements.restore()
+        restore_class, self._restore_class = self._restore_class, None
+        restore_class()
+        object.__delattr__(self.model, "_kp_steps")
         self._installed = False
 
     def use_ddp(self, ddp, make_ddp=None):
@@ -310,8 +311,12 @@ class RankSteps(StepMetrics):
     def _route_call(self, on):
         self._routing = bool(on) and self._needs_route()
 
-    def _call(self, *args, **kwargs):
-        # `Layer.__call__` looks `call` up on the instance: this runs instead.
+    def metrics_result(self):
+        """The model's `get_metrics_result`, made global where due."""
+        return self._metrics_result()
+
+    def forward(self, *args, **kwargs):
+        """The model's `call`: through DDP while a train step routes it."""
         if self._routing:
             return self._routed_call(*args, **kwargs)
         return self._own_call(*args, **kwargs)

@@ -1,0 +1,119 @@
+"""The model's class while an entry point runs (`keras_parallel.trainer_class`)."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_parallel.trainer_class import TrainerMixin, swap_class, trainer_class
+
+
+class Recording(TrainerMixin):
+    """A trainer mixin that records its calls and hands them on."""
+
+    calls = []
+
+    def test_step(self, *args):
+        Recording.calls.append("mixin")
+        return super().test_step(*args)
+
+
+@keras.saving.register_keras_serializable(package="kp_tests")
+class Net(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def test_step(self, *args):  # (data), or (state, data) on JAX.
+        Recording.calls.append("own")
+        return super().test_step(*args)
+
+
+def _net():
+    model = Net()
+    model.compile(loss="mse")
+    model(np.zeros((1, 3), "float32"))
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_the_mixin_comes_before_the_models_own_methods():
+    model = _net()
+    restore = swap_class(model, Recording, ("test_step",))
+    Recording.calls.clear()
+    try:
+        model.evaluate(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+    finally:
+        restore()
+    assert Recording.calls[:2] == ["mixin", "own"]
+    assert type(model).test_step is Net.test_step
+
+
+def test_the_model_shows_its_own_class_and_is_put_back():
+    model = _net()
+    restore = swap_class(model, Recording, ("test_step",))
+    assert type(model).__mro__[1] is Recording
+    assert model.__class__ is Net
+    assert isinstance(model, Net) and isinstance(model, Recording)
+    restore()
+    assert type(model) is Net and model.__class__ is Net
+
+
+def test_one_subclass_per_class_and_mixin():
+    assert trainer_class(Net, Recording) is trainer_class(Net, Recording)
+    made = trainer_class(Net, Recording)
+    assert (made.__name__, made.__qualname__, made.__module__) == (
+        Net.__name__,
+        Net.__qualname__,
+        Net.__module__,
+    )
+
+
+def test_a_class_swapped_twice_still_shows_the_models_own():
+    class Other(TrainerMixin):
+        pass
+
+    model = _net()
+    outer = swap_class(model, Recording, ())
+    inner = swap_class(model, Other, ())
+    assert model.__class__ is Net
+    inner()
+    assert type(model).__mro__[1] is Recording
+    outer()
+    assert type(model) is Net
+
+
+def test_what_is_saved_during_the_swap_is_what_is_saved_without(tmp_path):
+    model = _net()
+    plain = keras.saving.serialize_keras_object(model)
+    restore = swap_class(model, Recording, ("test_step",))
+    try:
+        swapped = keras.saving.serialize_keras_object(model)
+        model.save(tmp_path / "during.keras")
+    finally:
+        restore()
+    assert swapped == plain
+    assert plain["registered_name"] == "kp_tests>Net"
+    loaded = keras.saving.load_model(tmp_path / "during.keras")
+    assert type(loaded) is Net
+
+
+def test_a_method_the_model_holds_itself_is_set_aside_and_put_back():
+    model = _net()
+
+    def own_step(data):
+        return {}
+
+    object.__setattr__(model, "test_step", own_step)
+    restore = swap_class(model, Recording, ("test_step",))
+    assert "test_step" not in vars(model)
+    assert model.test_step.__func__ is Recording.test_step
+    restore()
+    assert vars(model)["test_step"] is own_step
+
+
+def test_swapping_anything_but_a_model_is_refused():
+    with pytest.raises(LookupError, match="__class__"):
+        swap_class(keras.layers.Dense(2), Recording, ())
