@@ -10,6 +10,7 @@ and reach them through `super()`. The subclass shows the model's own class as
 writes is what it would write without keras_parallel.
 """
 
+import operator
 import weakref
 
 from keras_parallel.replacements import target_of
@@ -31,14 +32,22 @@ class TrainerMixin:
     #: The model's class without the mixin, set on each made subclass.
     _kp_plain_class = None
 
-    @property
-    def __class__(self):
-        # `type(model)` is the made subclass; `model.__class__` the model's own.
-        return type(self)._kp_plain_class
+    # `type(model)` is the made subclass; `model.__class__` the model's own.
+    # A C getter: Keras reads `__class__` on every call of the model, and a
+    # Python one would add a frame to each.
+    __class__ = property(
+        operator.attrgetter("_kp_plain_class"),
+        lambda self, value: _CLASS_SLOT.__set__(self, value),
+    )
 
-    @__class__.setter
-    def __class__(self, value):
-        _CLASS_SLOT.__set__(self, value)
+
+def attribute_of(holder, name):
+    """A property reading `name` from the object at `model.<holder>`.
+
+    Read in C (`operator.attrgetter`): the model's method is the holder's
+    callable itself, with no frame between Keras and it.
+    """
+    return property(operator.attrgetter(f"{holder}.{name}"))
 
 
 def trainer_class(cls, mixin):

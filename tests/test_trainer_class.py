@@ -4,7 +4,12 @@ import keras
 import numpy as np
 import pytest
 
-from keras_parallel.trainer_class import TrainerMixin, swap_class, trainer_class
+from keras_parallel.trainer_class import (
+    TrainerMixin,
+    attribute_of,
+    swap_class,
+    trainer_class,
+)
 
 
 class Recording(TrainerMixin):
@@ -112,6 +117,28 @@ def test_a_method_the_model_holds_itself_is_set_aside_and_put_back():
     assert model.test_step.__func__ is Recording.test_step
     restore()
     assert vars(model)["test_step"] is own_step
+
+
+def test_a_method_can_be_an_attribute_of_an_object_the_model_holds():
+    class Held(TrainerMixin):
+        test_step = attribute_of("_kp_holder", "test_step")
+
+    model = _net()
+
+    class Holder:
+        def test_step(self, *args):
+            Recording.calls.append("holder")
+            return Net.test_step(model, *args)
+
+    object.__setattr__(model, "_kp_holder", Holder())
+    restore = swap_class(model, Held, ("test_step",))
+    Recording.calls.clear()
+    try:
+        model.evaluate(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+    finally:
+        restore()
+    assert Recording.calls[:2] == ["holder", "own"]
+    assert model.test_step.__func__ is Net.test_step
 
 
 def test_swapping_anything_but_a_model_is_refused():

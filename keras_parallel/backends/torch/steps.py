@@ -86,12 +86,13 @@ class RankSteps(StepMetrics):
             kind: keras_step(model, f"{kind}_step") for kind in ("train", "test")
         }
         self._returned = None
-        #: This rank's `train`, `test` and `predict` steps, which `TorchTrainer` runs.
-        self.steps = {
-            kind: self._wrap(getattr(model, f"{kind}_step"), kind)
-            for kind in ("train", "test", "predict")
-        }
-        self.epoch_logs = self._epoch_logs(model._get_metrics_result_or_logs)
+        # What the model's methods are while it runs (`TorchTrainer`).
+        self.train_step = self._wrap(model.train_step, "train")
+        self.test_step = self._wrap(model.test_step, "test")
+        self.predict_step = self._wrap(model.predict_step, "predict")
+        self._get_metrics_result_or_logs = self._epoch_logs(
+            model._get_metrics_result_or_logs
+        )
         object.__setattr__(model, "_kp_steps", self)
         self._restore_class = swap_class(model, TorchTrainer, TRAINER_NAMES)
         self._replacements.replace(
@@ -311,11 +312,11 @@ class RankSteps(StepMetrics):
     def _route_call(self, on):
         self._routing = bool(on) and self._needs_route()
 
-    def metrics_result(self):
+    def get_metrics_result(self):
         """The model's `get_metrics_result`, made global where due."""
         return self._metrics_result()
 
-    def forward(self, *args, **kwargs):
+    def call(self, *args, **kwargs):
         """The model's `call`: through DDP while a train step routes it."""
         if self._routing:
             return self._routed_call(*args, **kwargs)
