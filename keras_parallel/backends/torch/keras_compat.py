@@ -141,13 +141,6 @@ REPLACED = (
         on_instances=True,
     ),
     Target(
-        "keras.src.layers.layer.Layer",
-        "_get_regularization_losses",
-        "weight regularizers computed on their variables' whole values: "
-        "one device's penalty, a plain scalar for the loss (`mesh_losses.py`)",
-        on_instances=True,
-    ),
-    Target(
         "keras.src.backend.common.variables.Variable",
         ("numpy", "assign"),
         "a placed variable's whole value read (gathered, a collective) and "

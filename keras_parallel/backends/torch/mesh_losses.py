@@ -5,12 +5,9 @@ regularizers to the plain loss of this rank's rows; computed on DTensors, they
 must first be whole and plain, each counted once.
 """
 
-import contextlib
-
 from torch.distributed.tensor import DTensor
 
 from keras_parallel.backends.torch.keras_compat import StatelessScope
-from keras_parallel.replacements import replaced
 
 
 def whole(value):
@@ -35,9 +32,8 @@ def whole_added_losses(model):
             losses[:] = [whole(loss) for loss in losses]
 
 
-@contextlib.contextmanager
 def whole_regularization_losses(model):
-    """While in scope, `model`'s weight-regularization losses are plain.
+    """`model._get_regularization_losses`, its losses plain.
 
     On DTensors a regularizer may fail (`L1L2` adds DTensor terms in place to
     a plain zero) or return a DTensor, so each reads its variable's whole
@@ -57,5 +53,4 @@ def whole_regularization_losses(model):
         with StatelessScope(state_mapping=mapping):
             return [whole(loss) for loss in regularization_losses()]
 
-    with replaced({(model, "_get_regularization_losses"): whole_losses}):
-        yield
+    return whole_losses

@@ -29,6 +29,7 @@ from keras_parallel.backends.torch.output_constraints import (
     OutputConstraints,
 )
 from keras_parallel.backends.torch.steps import RankSteps
+from keras_parallel.backends.torch.trainer import MESH_NAMES, MeshTrainer
 from keras_parallel.replacements import replaced
 
 
@@ -42,6 +43,7 @@ class MeshSteps(RankSteps):
 
     reduces_gradients = False
     divides_input = False
+    trainer, trainer_names = MeshTrainer, MESH_NAMES
 
     def __init__(self, model, mesh, plan, rank):
         super().__init__(model, None, mesh.size(), rank)
@@ -65,6 +67,8 @@ class MeshSteps(RankSteps):
     def install(self):
         if self._installed:
             return
+        # Read before the model's class puts `MeshTrainer` first.
+        self._get_regularization_losses = whole_regularization_losses(self.model)
         super().install()
         self._stack = contextlib.ExitStack()
         # Between steps too: a callback (EarlyStopping) may assign whole values.
@@ -78,7 +82,6 @@ class MeshSteps(RankSteps):
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
             self._stack.enter_context(reduced_gradients(optimizer))
-        self._stack.enter_context(whole_regularization_losses(self.model))
 
     def uninstall(self):
         if not self._installed:

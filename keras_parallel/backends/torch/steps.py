@@ -26,8 +26,7 @@ from keras_parallel.backends.torch.random_stream import RankRandomStream
 from keras_parallel.backends.torch.same_data import SameDataCheck
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.backends.torch.step_metrics import StepMetrics
-from keras_parallel.backends.torch.trainer import NAMES as TRAINER_NAMES
-from keras_parallel.backends.torch.trainer import TorchTrainer
+from keras_parallel.backends.torch.trainer import NAMES, TorchTrainer
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
 from keras_parallel.trainer_class import swap_class
@@ -45,6 +44,9 @@ class RankSteps(StepMetrics):
 
     #: Whether gradients are averaged here (DDP or `GradientMean`).
     reduces_gradients = True
+
+    #: The model's class puts this first while it runs, with its methods' names.
+    trainer, trainer_names = TorchTrainer, NAMES
 
     def __init__(self, model, ddp, world_size, rank, make_ddp=None):
         self.model = model
@@ -94,7 +96,7 @@ class RankSteps(StepMetrics):
             model._get_metrics_result_or_logs
         )
         object.__setattr__(model, "_kp_steps", self)
-        self._restore_class = swap_class(model, TorchTrainer, TRAINER_NAMES)
+        self._restore_class = swap_class(model, self.trainer, self.trainer_names)
         self._replacements.replace(
             TorchEpochIterator,
             "__iter__",

@@ -28,3 +28,13 @@ class TorchTrainer(TrainerMixin):
         "_kp_steps", "_get_metrics_result_or_logs"
     )
     call = attribute_of("_kp_steps", "call")
+
+
+#: The methods `MeshTrainer` defines.
+MESH_NAMES = (*NAMES, "_get_regularization_losses")
+
+
+class MeshTrainer(TorchTrainer):
+    """`TorchTrainer` on DTensor variables: weight penalties made whole."""
+
+    _get_regularization_losses = attribute_of("_kp_steps", "_get_regularization_losses")
