@@ -8,7 +8,7 @@ the other ranks, and `model.save` after `fit` writes one file.
 from keras import callbacks
 
 from keras_parallel import callback_lists
-from keras_parallel.instance_methods import replace_methods
+from keras_parallel.trainer_class import TrainerMixin, swap_class
 
 
 def _rank_zero_callbacks(collective_saving):
@@ -49,6 +49,28 @@ class ChiefOnlyCallbacks:
             self._remove = None
 
 
+class ChiefOnlySaving(TrainerMixin):
+    """On a process other than 0, `save` and `save_weights` write nothing.
+
+    Where saving is a collective (JAX across processes), the process joins it
+    (`model._kp_collective_saving`, the executor's `checkpoint_io.saving`).
+    """
+
+    def save(self, *args, **kwargs):
+        return _join_without_writing(self)
+
+    def save_weights(self, *args, **kwargs):
+        return _join_without_writing(self)
+
+
+def _join_without_writing(model):
+    saving = model._kp_collective_saving
+    if saving is not None:
+        with saving(model):
+            pass  # This rank's part of the collective; rank 0 writes.
+    return None
+
+
 def chief_only_saving(model, saving=None):
     """Makes `model.save` and `save_weights` write nothing on this (non-chief) rank.
 
@@ -59,11 +81,9 @@ def chief_only_saving(model, saving=None):
     Returns:
         A function that undoes it.
     """
-
-    def skip(*args, **kwargs):
-        if saving is not None:
-            with saving(model):
-                pass  # This rank's part of the collective; rank 0 writes.
-        return None
-
-    return replace_methods(model, {"save": skip, "save_weights": skip})
+    return swap_class(
+        model,
+        ChiefOnlySaving,
+        ("save", "save_weights"),
+        _kp_collective_saving=saving,
+    )

@@ -176,19 +176,15 @@ REPLACED = (
     ),
     Target(
         "keras.src.models.model.Model",
-        ("save", "save_weights"),
-        "written whole (`persistence/atomic.py`); on processes other than 0, nothing "
-        "written (`chief.py`); under torch ModelParallel, the split variables "
-        "gathered first by every process, for the model's distributed life "
-        "(`backends/torch/model_parallel.py`)",
-        on_instances=True,
-    ),
-    Target(
-        "keras.src.models.model.Model",
         "__class__",
-        "while an entry point runs, a subclass of the model's own class with "
-        "the backend's trainer first (`trainer_class.py`); `model.__class__` "
-        "still shows the model's own",
+        "a subclass of the model's own class with keras_parallel's mixins "
+        "first (`trainer_class.py`): the backend's trainer while an entry "
+        "point runs; `save` and `save_weights` writing whole files "
+        "(`persistence/atomic.py`), nothing on processes other than 0 "
+        "(`chief.py`), the split variables gathered first under torch "
+        "ModelParallel (`backends/torch/model_parallel.py`); building from "
+        "the element spec on TensorFlow (`element_spec_build.py`); "
+        "`model.__class__` still shows the model's own",
         on_instances=True,
     ),
 )

@@ -1,13 +1,15 @@
-"""A model's class while an entry point runs: a backend's trainer mixin first.
+"""A distributed model's class: its own, with keras_parallel's mixins first.
 
 Keras chooses each backend's training behaviour in the model's class
 (`class Model(Trainer, base_trainer.Trainer, Layer)`); keras_parallel does
-the same. For the span of an entry point the model's class becomes a subclass
-of its own whose first base is the backend's mixin (`backends/<b>/trainer.py`),
-so the mixin's methods come before the model's, a user's overrides included,
-and reach them through `super()`. The subclass shows the model's own class as
-`model.__class__`, which Keras's saving and `isinstance` read: what a run
-writes is what it would write without keras_parallel.
+the same. While a behaviour is in force (a backend's trainer while an entry
+point runs, `backends/<b>/trainer.py`; a non-chief process's saving for the
+model's distributed life, `chief.py`) the model's class is a subclass of its
+own whose first bases are those mixins, newest first: their methods come
+before the model's, a user's overrides included, and reach them through
+`super()`. The subclass shows the model's own class as `model.__class__`,
+which Keras's saving and `isinstance` read: what a run writes is what it
+would write without keras_parallel.
 """
 
 import operator
@@ -18,18 +20,18 @@ from keras_parallel.replacements import target_of
 #: `object`'s own `__class__`, which assigns past the mixin's property.
 _CLASS_SLOT = object.__dict__["__class__"]
 
-#: `{model's class: {mixin: subclass}}`, made once per pair.
+#: `{model's class: {mixins: subclass}}`, made once per class and mixins.
 _made = weakref.WeakKeyDictionary()
 
 
 class TrainerMixin:
-    """Base of the backends' trainer mixins.
+    """Base of keras_parallel's model mixins.
 
-    Its subclasses define the methods of Keras's trainer that a distributed
+    Its subclasses define the methods of Keras's model that a distributed
     model runs differently; `swap_class` puts one first in a model's bases.
     """
 
-    #: The model's class without the mixin, set on each made subclass.
+    #: The model's class without the mixins, set on each made subclass.
     _kp_plain_class = None
 
     # `type(model)` is the made subclass; `model.__class__` the model's own.
@@ -50,59 +52,78 @@ def attribute_of(holder, name):
     return property(operator.attrgetter(f"{holder}.{name}"))
 
 
-def trainer_class(cls, mixin):
-    """The subclass of `cls` with `mixin` first, named and placed as `cls`.
+def trainer_class(cls, mixins):
+    """The subclass of `cls` with `mixins` first, named and placed as `cls`.
 
     Args:
         cls: the model's own class.
-        mixin: a `TrainerMixin` subclass.
+        mixins: a tuple of `TrainerMixin` subclasses, the first first.
 
     Returns:
-        A class whose MRO is `mixin`, then `cls`'s.
+        A class whose MRO is `mixins`', then `cls`'s.
     """
     made = _made.setdefault(cls, {})
-    subclass = made.get(mixin)
+    subclass = made.get(mixins)
     if subclass is None:
         subclass = type(
             cls.__name__,
-            (mixin, cls),
+            (*mixins, cls),
             {
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
-                "_kp_plain_class": cls._kp_plain_class or cls
-                if issubclass(cls, TrainerMixin)
-                else cls,
+                "_kp_plain_class": cls,
             },
         )
-        made[mixin] = subclass
+        made[mixins] = subclass
     return subclass
 
 
-def swap_class(model, mixin, names):
-    """Makes `model` an object of `trainer_class(type(model), mixin)`.
+def swap_class(model, mixin, names, **state):
+    """Puts `mixin` first in `model`'s class until the returned function runs.
 
-    Attributes of `names` the model holds on itself (which would hide the
-    mixin's methods) are set aside while the class is swapped.
+    The swaps of one model may end in any order: each leaves the class made
+    of the mixins still in force.
 
     Args:
         model: the `keras.Model`.
         mixin: a `TrainerMixin` subclass.
-        names: the methods `mixin` defines for the run.
+        names: the methods `mixin` defines. Those the model holds on itself
+            (which would hide the mixin's) are set aside meanwhile.
+        **state: attributes set on the model meanwhile, for the mixin to read
+            (`_kp_` names: past Keras's and torch's tracking).
 
     Returns:
-        A function that puts back the model's class and attributes.
+        A function that ends the swap (safe to call twice).
 
     Raises:
         LookupError: no `REPLACED` table lists `__class__` (a keras_parallel bug).
     """
     target_of(model, "__class__")
-    plain = type(model)
     own = vars(model)
-    kept = {name: own.pop(name) for name in names if name in own}
-    _CLASS_SLOT.__set__(model, trainer_class(plain, mixin))
+    swaps = own.setdefault("_kp_swaps", [])
+    plain = type(model)._kp_plain_class if swaps else type(model)
+    swap = (mixin, {name: own.pop(name) for name in names if name in own}, state)
+    swaps.append(swap)
+    own.update(state)
+    _set_class(model, plain)
 
     def restore():
-        _CLASS_SLOT.__set__(model, plain)
-        vars(model).update(kept)
+        if not any(s is swap for s in swaps):
+            return
+        swaps[:] = [s for s in swaps if s is not swap]
+        for key in state:
+            own.pop(key, None)
+        for _, _, kept_state in swaps:  # Another swap's of the same names.
+            own.update(kept_state)
+        own.update(swap[1])
+        _set_class(model, plain)
+        if not swaps:
+            del own["_kp_swaps"]
 
     return restore
+
+
+def _set_class(model, plain):
+    swaps = vars(model).get("_kp_swaps")
+    mixins = tuple(mixin for mixin, _, _ in reversed(swaps or ()))
+    _CLASS_SLOT.__set__(model, trainer_class(plain, mixins) if mixins else plain)

@@ -21,7 +21,6 @@ LAYERS = (
         "keras_compat",
         "replacement_targets",
         "replacements",
-        "instance_methods",
         "trainer_class",
         "layout_keys",
         "logical_axes",

@@ -66,9 +66,9 @@ def test_the_model_shows_its_own_class_and_is_put_back():
     assert type(model) is Net and model.__class__ is Net
 
 
-def test_one_subclass_per_class_and_mixin():
-    assert trainer_class(Net, Recording) is trainer_class(Net, Recording)
-    made = trainer_class(Net, Recording)
+def test_one_subclass_per_class_and_mixins():
+    assert trainer_class(Net, (Recording,)) is trainer_class(Net, (Recording,))
+    made = trainer_class(Net, (Recording,))
     assert (made.__name__, made.__qualname__, made.__module__) == (
         Net.__name__,
         Net.__qualname__,
@@ -83,11 +83,28 @@ def test_a_class_swapped_twice_still_shows_the_models_own():
     model = _net()
     outer = swap_class(model, Recording, ())
     inner = swap_class(model, Other, ())
+    assert type(model).__mro__[1:3] == (Other, Recording)
     assert model.__class__ is Net
     inner()
     assert type(model).__mro__[1] is Recording
     outer()
     assert type(model) is Net
+
+
+def test_swaps_ended_in_any_order_leave_the_mixins_still_in_force():
+    class Other(TrainerMixin):
+        pass
+
+    model = _net()
+    first = swap_class(model, Recording, (), _kp_first=1)
+    second = swap_class(model, Other, (), _kp_second=2)
+    first()
+    assert type(model).__mro__[1] is Other and model.__class__ is Net
+    assert not hasattr(model, "_kp_first") and model._kp_second == 2
+    first()  # Twice: nothing more.
+    assert type(model).__mro__[1] is Other
+    second()
+    assert type(model) is Net and "_kp_swaps" not in vars(model)
 
 
 def test_what_is_saved_during_the_swap_is_what_is_saved_without(tmp_path):

@@ -9,6 +9,8 @@ half of one.
 import contextlib
 import os
 
+from keras_parallel.trainer_class import TrainerMixin, swap_class
+
 
 @contextlib.contextmanager
 def replacing(path):
@@ -95,8 +97,26 @@ def call_replacing(save, args, kwargs, executor=None, model=None):
             return save(*new_args, **new_kwargs)
 
 
+class AtomicSaving(TrainerMixin):
+    """`save` and `save_weights` that write whole files (`call_replacing`).
+
+    The executor whose `checkpoint_io.saving` is in force meanwhile is
+    `model._kp_atomic_executor`.
+    """
+
+    def save(self, *args, **kwargs):
+        return call_replacing(
+            super().save, args, kwargs, self._kp_atomic_executor, self
+        )
+
+    def save_weights(self, *args, **kwargs):
+        return call_replacing(
+            super().save_weights, args, kwargs, self._kp_atomic_executor, self
+        )
+
+
 def atomic_saving(model, executor=None):
-    """Makes `model.save` and `save_weights` write whole files (instance-level).
+    """Makes `model.save` and `save_weights` write whole files.
 
     For models that are not a `DistributedModel` (whose own methods do it),
     while a `ShardingCallback` is attached.
@@ -104,13 +124,6 @@ def atomic_saving(model, executor=None):
     Returns:
         A function that undoes it.
     """
-    from keras_parallel.instance_methods import replace_methods
-
-    def whole(method):
-        def save(*args, **kwargs):
-            return call_replacing(method, args, kwargs, executor, model)
-
-        return save
-
-    names = ("save", "save_weights")
-    return replace_methods(model, {name: whole(getattr(model, name)) for name in names})
+    return swap_class(
+        model, AtomicSaving, ("save", "save_weights"), _kp_atomic_executor=executor
+    )

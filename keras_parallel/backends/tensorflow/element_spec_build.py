@@ -8,6 +8,7 @@ from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import DATA_ADAPTERS, tree
 from keras_parallel.backends.tensorflow.strategies import ExactRun
 from keras_parallel.building import build_from_inputs, is_built
+from keras_parallel.trainer_class import TrainerMixin, swap_class
 
 
 def built_from_element_spec(keras_maybe_symbolic_build):
@@ -28,18 +29,21 @@ def built_from_element_spec(keras_maybe_symbolic_build):
     return _maybe_symbolic_build
 
 
-def model_built_from_element_spec(model):
-    """`model._maybe_symbolic_build` while a plan is applied: drawing no batch.
+class ElementSpecBuild(TrainerMixin):
+    """The model's `_maybe_symbolic_build` while a plan is applied: no batch drawn.
 
     A `ShardingCallback` run after the first starts outside `patched`, so
-    the model itself holds it until the plan is released.
+    the model's class holds it until the plan is released.
     """
 
-    def _maybe_symbolic_build(iterator=None, data_batch=None):
-        keras_method = type(model)._maybe_symbolic_build
-        return built_from_element_spec(keras_method)(model, iterator, data_batch)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        keras_method = super(ElementSpecBuild, type(self))._maybe_symbolic_build
+        return built_from_element_spec(keras_method)(self, iterator, data_batch)
 
-    return _maybe_symbolic_build
+
+def model_built_from_element_spec(model):
+    """Puts `ElementSpecBuild` first in `model`'s class; returns the undo."""
+    return swap_class(model, ElementSpecBuild, ("_maybe_symbolic_build",))
 
 
 def late_distribution(model):

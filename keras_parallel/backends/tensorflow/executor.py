@@ -33,7 +33,6 @@ from keras_parallel.backends.tensorflow.keras_compat import (
 )
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
-from keras_parallel.instance_methods import replace_methods
 from keras_parallel.replacements import replaced
 
 
@@ -145,14 +144,7 @@ class TensorFlowExecutor(Executor):
             self._undo_saving = chief_only_saving(model)
         if self._undo_build is None:
             # A later run through ShardingCallback builds before its scope.
-            self._undo_build = replace_methods(
-                model,
-                {
-                    "_maybe_symbolic_build": element_spec_build.model_built_from_element_spec(
-                        model
-                    )
-                },
-            )
+            self._undo_build = element_spec_build.model_built_from_element_spec(model)
 
     @contextlib.contextmanager
     def scope(self, model):

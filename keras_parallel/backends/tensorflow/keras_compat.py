@@ -116,14 +116,6 @@ REPLACED = (
         for name, version in (("TensorFlowTrainer", "3.15"), ("Trainer", "3.16+"))
     ),
     Target(
-        "keras.src.models.model.Model",
-        "_maybe_symbolic_build",
-        "while a plan is applied: a run that starts outside the scope "
-        "(`ShardingCallback`'s second) builds from the element spec too "
-        "(`element_spec_build.model_built_from_element_spec`)",
-        on_instances=True,
-    ),
-    Target(
         "keras.src.backend.tensorflow.trainer.TFEpochIterator",
         "_get_iterator",
         "the data distributed under a strategy applied after the iterator "

@@ -12,10 +12,10 @@ from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.mesh_steps import MeshSteps
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
-from keras_parallel.instance_methods import replace_methods
 from keras_parallel.layout_keys import reference_of
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
+from keras_parallel.trainer_class import TrainerMixin, swap_class
 
 
 def runs_on_mesh(distribution):
@@ -258,6 +258,21 @@ def replicated_assign(assign):
     return assign_replicated
 
 
+class GatheredSaving(TrainerMixin):
+    """`save` and `save_weights` with the split variables gathered first.
+
+    `model._kp_gathered_saving` is the executor's `checkpoint_io.saving`.
+    """
+
+    def save(self, *args, **kwargs):
+        with self._kp_gathered_saving(self):
+            return super().save(*args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        with self._kp_gathered_saving(self):
+            return super().save_weights(*args, **kwargs)
+
+
 def gathered_saving(model, saving):
     """Makes `model.save` and `save_weights` gather first, on rank 0.
 
@@ -271,15 +286,6 @@ def gathered_saving(model, saving):
     Returns:
         A function that undoes it.
     """
-
-    def gathering(method):
-        def save(*args, **kwargs):
-            with saving(model):
-                return method(*args, **kwargs)
-
-        return save
-
-    names = ("save", "save_weights")
-    return replace_methods(
-        model, {name: gathering(getattr(model, name)) for name in names}
+    return swap_class(
+        model, GatheredSaving, ("save", "save_weights"), _kp_gathered_saving=saving
     )

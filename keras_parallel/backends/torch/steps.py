@@ -95,8 +95,9 @@ class RankSteps(StepMetrics):
         self._get_metrics_result_or_logs = self._epoch_logs(
             model._get_metrics_result_or_logs
         )
-        object.__setattr__(model, "_kp_steps", self)
-        self._restore_class = swap_class(model, self.trainer, self.trainer_names)
+        self._restore_class = swap_class(
+            model, self.trainer, self.trainer_names, _kp_steps=self
+        )
         self._replacements.replace(
             TorchEpochIterator,
             "__iter__",
@@ -122,7 +123,6 @@ class RankSteps(StepMetrics):
         self._replacements.restore()
         restore_class, self._restore_class = self._restore_class, None
         restore_class()
-        object.__delattr__(self.model, "_kp_steps")
         self._installed = False
 
     def use_ddp(self, ddp, make_ddp=None):
