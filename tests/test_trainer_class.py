@@ -161,3 +161,35 @@ def test_a_method_can_be_an_attribute_of_an_object_the_model_holds():
 def test_swapping_anything_but_a_model_is_refused():
     with pytest.raises(LookupError, match="__class__"):
         swap_class(keras.layers.Dense(2), Recording, ())
+
+
+def test_a_distributed_model_shows_its_own_class_and_is_plain_once_released():
+    import keras_parallel
+
+    class Distributed(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    devices = None
+    if keras.backend.backend() == "tensorflow":
+        import tf_devices
+
+        devices = tf_devices.devices(2)
+    inputs = keras.Input((3,))
+    model = Distributed(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(
+        optimizer="sgd",
+        loss="mse",
+        distribution=keras_parallel.DataParallel(devices=devices),
+    )
+    seen = []
+
+    class SeeClass(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(self.model.__class__)
+
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[SeeClass()])
+    assert seen and set(seen) == {Distributed}
+    assert model.__class__ is Distributed
+    model.compile(optimizer="sgd", loss="mse")  # One device: released.
+    assert type(model) is Distributed and "_kp_swaps" not in vars(model)
