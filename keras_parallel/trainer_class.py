@@ -125,5 +125,7 @@ def swap_class(model, mixin, names, **state):
 
 def _set_class(model, plain):
     swaps = vars(model).get("_kp_swaps")
-    mixins = tuple(mixin for mixin, _, _ in reversed(swaps or ()))
+    # A mixin in force twice (two `ShardingCallback`s' plans on one model)
+    # is one base, where its newest swap puts it; the newest state holds.
+    mixins = tuple(dict.fromkeys(mixin for mixin, _, _ in reversed(swaps or ())))
     _CLASS_SLOT.__set__(model, trainer_class(plain, mixins) if mixins else plain)

@@ -223,15 +223,22 @@ def test_each_rank_draws_its_own_dropout_mask(seed):
     assert not np.array_equal(masks[0], masks[1])
 
 
-def test_the_models_class_puts_the_trainer_first_while_fit_runs(two_ranks):
+def test_the_models_class_holds_the_trainer_while_fit_runs(two_ranks):
     # fit, evaluate and predict run the model as a `TorchTrainer` subclass of
     # its own class, which `model.__class__` still shows; put back after each.
+    # Rank 1 writes no file for the model's distributed life
+    # (`ChiefOnlySaving`); a `ShardingCallback` run writes whole files
+    # (`AtomicSaving`).
     for name, ranks in two_ranks.items():
-        own = "Functional" if CASES[name].get("door") == "callback" else "Net"
+        callback = CASES[name].get("door") == "callback"
+        own = "Functional" if callback else "Net"
         for rank in ranks:
-            trainer = ["TorchTrainer", "TrainerMixin"]
-            assert rank["class_during_fit"] == (own, trainer), name
-            assert rank["class_after"] == (own, []), name
+            chief_only = ["ChiefOnlySaving"] if rank["rank"] else []
+            atomic = ["AtomicSaving"] if callback else []
+            during = [*atomic, "TorchTrainer", *chief_only, "TrainerMixin"]
+            after = [*chief_only, "TrainerMixin"] if chief_only else []
+            assert rank["class_during_fit"] == (own, during), name
+            assert rank["class_after"] == (own, after), name
 
 
 def test_training_moved_the_weights(two_ranks, single):

@@ -158,6 +158,20 @@ def test_a_method_can_be_an_attribute_of_an_object_the_model_holds():
     assert model.test_step.__func__ is Net.test_step
 
 
+def test_a_mixin_in_force_twice_is_one_base_until_both_end():
+    model = _net()
+    first = swap_class(model, Recording, (), _kp_state="first")
+    second = swap_class(model, Recording, (), _kp_state="second")
+    assert (
+        type(model).__mro__[1] is Recording and Recording not in type(model).__mro__[2:]
+    )
+    assert model._kp_state == "second"
+    second()
+    assert type(model).__mro__[1] is Recording and model._kp_state == "first"
+    first()
+    assert type(model) is Net
+
+
 def test_swapping_anything_but_a_model_is_refused():
     with pytest.raises(LookupError, match="__class__"):
         swap_class(keras.layers.Dense(2), Recording, ())
