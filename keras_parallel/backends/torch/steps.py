@@ -308,7 +308,7 @@ class RankSteps(StepMetrics):
         return self.ddp is not None or self._grad_scale != 1.0
 
     def own_call(self):
-        """The model's own `call`, not the entry point's replacement."""
+        """The model's own `call`, not `TorchTrainer`'s (this object's `call`)."""
         return self._own_call if self._installed else self.model.call
 
     def _route_call(self, on):
