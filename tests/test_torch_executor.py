@@ -480,8 +480,14 @@ def test_rank_zero_alone_prints_and_writes(tmp_path, built):
     assert "cpu:1" in printed[0] and "loss" in printed[0]  # Plan, progress.
     assert printed[1].strip() == ""
     for _, names in outputs:
-        # Written once, by rank 0: rank 1's own CSV path was never written.
-        assert names == ["log-0.csv", "model.keras"]
+        # Written once, by rank 0: rank 1's own CSV, model and weights paths
+        # were never written.
+        assert names == [
+            "log-0.csv",
+            "model.keras",
+            "saved-0.keras",
+            "saved-0.weights.h5",
+        ]
     rows = (tmp_path / "log-0.csv").read_text().splitlines()
     assert len(rows) == 3  # Header and two epochs, not four.
 

@@ -507,6 +507,10 @@ def chief_writes(directory, built=True):
             ],
         )
         model.save(os.path.join(directory, "model.keras"))
+        # Each rank's own paths: only rank 0's may appear.
+        rank = os.environ["RANK"]
+        model.save(os.path.join(directory, f"saved-{rank}.keras"))
+        model.save_weights(os.path.join(directory, f"saved-{rank}.weights.h5"))
     dist.barrier()
     return printed.getvalue(), sorted(os.listdir(directory))
 
