@@ -473,6 +473,10 @@ def test_keras_reads_and_writes_split_weights_after_a_callback_door_fit(
     plain.load_weights(os.path.join(saved_dir, "after_fit.weights.h5"))
     for a, b in zip(plain.get_weights(), ranks[0]["set"], strict=True):
         np.testing.assert_array_equal(a, b)
+    # So does the model rank 0 saved, its split variables gathered first.
+    loaded = keras.saving.load_model(os.path.join(saved_dir, "after_fit.keras"))
+    for a, b in zip(loaded.get_weights(), ranks[0]["set"], strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_layer_outputs_without_a_key_finish_sums_and_split_the_batch_on_its_axis():

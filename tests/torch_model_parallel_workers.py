@@ -605,8 +605,8 @@ def weights_after_callback_fit(folder, mesh=(2, 2)):
     A plain `keras.Model` is fit with `callbacks=[ShardingCallback(...)]`;
     its split variables stay DTensors after `fit`. Then, on every rank:
     `get_weights()` of the model and of `d1`; `set_weights` of the whole
-    values doubled; `save_weights` to `folder/after_fit.weights.h5` (rank 0
-    writes), a barrier, `set_weights` of the trained values again, and
+    values doubled; `save_weights` to `folder/after_fit.weights.h5` and
+    `save` to `folder/after_fit.keras` (rank 0 writes), a barrier, `set_weights` of the trained values again, and
     `load_weights` of the file.
 
     Returns:
@@ -648,7 +648,8 @@ def weights_after_callback_fit(folder, mesh=(2, 2)):
         out["set_whole"] = _whole_values(model)
         path = os.path.join(folder, "after_fit.weights.h5")
         model.save_weights(path)
-        dist.barrier()  # Rank 0 wrote the file.
+        model.save(os.path.join(folder, "after_fit.keras"))
+        dist.barrier()  # Rank 0 wrote the files.
         model.set_weights(out["whole"])
         model.load_weights(path)
         out["loaded"] = [np.asarray(w) for w in model.get_weights()]
