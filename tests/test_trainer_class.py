@@ -44,15 +44,20 @@ def _net():
     return model
 
 
-def test_the_mixin_comes_before_the_models_own_methods():
-    model = _net()
-    restore = swap_class(model, Recording, ("test_step",))
+def _calls_of_evaluate_under(model, mixin):
+    """What `Recording.calls` holds after an `evaluate` with `mixin` swapped in."""
+    restore = swap_class(model, mixin, ("test_step",))
     Recording.calls.clear()
     try:
         model.evaluate(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
     finally:
         restore()
-    assert Recording.calls[:2] == ["mixin", "own"]
+    return Recording.calls[:2]
+
+
+def test_the_mixin_comes_before_the_models_own_methods():
+    model = _net()
+    assert _calls_of_evaluate_under(model, Recording) == ["mixin", "own"]
     assert type(model).test_step is Net.test_step
 
 
@@ -148,13 +153,7 @@ def test_a_method_can_be_an_attribute_of_an_object_the_model_holds():
             return Net.test_step(model, *args)
 
     object.__setattr__(model, "_kp_holder", Holder())
-    restore = swap_class(model, Held, ("test_step",))
-    Recording.calls.clear()
-    try:
-        model.evaluate(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
-    finally:
-        restore()
-    assert Recording.calls[:2] == ["holder", "own"]
+    assert _calls_of_evaluate_under(model, Held) == ["holder", "own"]
     assert model.test_step.__func__ is Net.test_step
 
 
