@@ -131,7 +131,9 @@ def install_excepthook(rank, world_size):
     Prints the traceback, then exits with code 1 without `atexit`: JAX's
     `atexit` waits at a barrier for the others, which wait for this process in
     a collective (5 minutes, JAX's shutdown timeout). Once it exits, their
-    collectives fail within seconds. Installed once.
+    collectives fail within seconds; one that had never run before, still
+    connecting to this process, waits for JAX's heartbeat timeout (100 s).
+    Installed once.
     """
     if getattr(sys.excepthook, "_keras_parallel_rank", None) is not None:
         return

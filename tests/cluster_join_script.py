@@ -4,9 +4,16 @@ Started twice by a fake `srun` (`cluster_launchers.start_two`): imports
 keras_parallel and Keras in `ORDER` (`keras_parallel_first` or
 `keras_first`), then runs one collective over both processes and prints
 one JSON line: the process count, the devices, and whether the join marked
-this process. With `RAISING_RANK`, that rank raises after the collective
-while the other starts a second one, which can only end if the raising
-process ends: the test that a failing rank does not linger.
+this process. With `RAISING_RANK`, that rank raises after a second
+collective while the other starts a third, which can only end if the
+raising process ends: the test that a failing rank does not linger.
+
+The collective the other waits in has run before, as a `fit` step has after
+its first batch: its connections are made, and it fails as soon as the
+raising process exits. A collective whose connections are still being made
+when a process dies waits instead for JAX's heartbeat timeout (100 s), then
+aborts (seen here in 5 of 30 runs on a loaded machine when the raising rank
+left after the first collective).
 """
 
 import importlib
@@ -36,6 +43,7 @@ line = {
     "marked": os.environ.get("KERAS_PARALLEL_JOINED_PID") == str(os.getpid()),
 }
 os.write(1, (json.dumps(line) + "\n").encode())  # One write: the ranks share it.
+multihost_utils.sync_global_devices("joined again")
 if len(sys.argv) > 3 and rank == int(sys.argv[3]):
     raise RuntimeError(f"rank {rank} raises after the join")
 multihost_utils.sync_global_devices("after")

@@ -331,7 +331,8 @@ def test_both_import_orders_join(tmp_path, order):
 @jax_only
 @pytest.mark.timeout(180)
 def test_a_rank_that_raises_ends_both_processes_at_once(tmp_path):
-    """Rank 1 raises while rank 0 waits for it in a collective.
+    """Rank 1 raises while rank 0 waits for it in a collective that has run
+    before (as a `fit` step has).
 
     Without keras_parallel's excepthook, rank 1 would wait at JAX's
     shutdown barrier for rank 0, which waits for rank 1: 300 s.
