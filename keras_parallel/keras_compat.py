@@ -182,8 +182,7 @@ REPLACED = (
         "point runs; `save` and `save_weights` writing whole files "
         "(`persistence/atomic.py`), nothing on processes other than 0 "
         "(`chief.py`), the split variables gathered first under torch "
-        "ModelParallel (`backends/torch/model_parallel.py`); building from "
-        "the element spec on TensorFlow (`element_spec_build.py`); "
+        "ModelParallel (`backends/torch/model_parallel.py`); "
         "`model.__class__` still shows the model's own",
         on_instances=True,
     ),

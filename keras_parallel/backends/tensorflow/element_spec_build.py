@@ -8,7 +8,6 @@ from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import DATA_ADAPTERS, tree
 from keras_parallel.backends.tensorflow.strategies import ExactRun
 from keras_parallel.building import build_from_inputs, is_built
-from keras_parallel.trainer_class import TrainerMixin, swap_class
 
 
 def built_from_element_spec(keras_maybe_symbolic_build):
@@ -27,23 +26,6 @@ def built_from_element_spec(keras_maybe_symbolic_build):
         _build_from_element_spec(self, strategy, iterator._distributed_dataset)
 
     return _maybe_symbolic_build
-
-
-class ElementSpecBuild(TrainerMixin):
-    """The model's `_maybe_symbolic_build` while a plan is applied: no batch drawn.
-
-    A `ShardingCallback` run after the first starts outside `patched`, so
-    the model's class holds it until the plan is released.
-    """
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        keras_method = super(ElementSpecBuild, type(self))._maybe_symbolic_build
-        return built_from_element_spec(keras_method)(self, iterator, data_batch)
-
-
-def model_built_from_element_spec(model):
-    """Puts `ElementSpecBuild` first in `model`'s class; returns the undo."""
-    return swap_class(model, ElementSpecBuild, ("_maybe_symbolic_build",))
 
 
 def late_distribution(model):

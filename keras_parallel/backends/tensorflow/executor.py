@@ -15,12 +15,8 @@ from keras.distribution import DataParallel
 
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
-from keras_parallel.backends.tensorflow import (
-    element_spec_build,
-    saving_references,
-    strategies,
-)
 from keras_parallel.backends.tensorflow import exact as tf_exact
+from keras_parallel.backends.tensorflow import saving_references, strategies
 from keras_parallel.backends.tensorflow import variables as tf_variables
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.divided_input import (
@@ -59,7 +55,6 @@ class TensorFlowExecutor(Executor):
         self._devices = None
         self._applied = False
         self._undo_saving = None
-        self._undo_build = None
         #: Across workers, how each worker prepares only its share of the
         #: input (`divided_input`); None in one process.
         self.divided_input = None
@@ -142,9 +137,6 @@ class TensorFlowExecutor(Executor):
         self._applied = True
         if not self.is_chief and self._undo_saving is None:
             self._undo_saving = chief_only_saving(model)
-        if self._undo_build is None:
-            # A later run through ShardingCallback builds before its scope.
-            self._undo_build = element_spec_build.model_built_from_element_spec(model)
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -213,9 +205,6 @@ class TensorFlowExecutor(Executor):
         if self._undo_saving is not None:
             self._undo_saving()
             self._undo_saving = None
-        if self._undo_build is not None:
-            self._undo_build()
-            self._undo_build = None
         tf_variables.move_variables(model, None)
         _restore_state(model, (None, tf.distribute.get_strategy()))
         self._applied = False
