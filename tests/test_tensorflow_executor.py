@@ -13,6 +13,8 @@ if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
     import tf_devices  # conftest split the CPU into logical devices
 
+import split_probe  # noqa: E402
+
 import keras_parallel  # noqa: E402
 from keras_parallel.errors import ShardingError  # noqa: E402
 
@@ -21,10 +23,11 @@ class Net(keras_parallel.DistributedModel, keras.Model):
     pass
 
 
-def _model(cls=Net):
+def _model(cls=Net, probe=False):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
-    x = keras.layers.Dense(8, activation="tanh", name="d1")(inputs)
+    x = split_probe.probe()(inputs) if probe else inputs
+    x = keras.layers.Dense(8, activation="tanh", name="d1")(x)
     outputs = keras.layers.Dense(3, name="d2")(x)
     return cls(inputs=inputs, outputs=outputs)
 
@@ -203,40 +206,28 @@ def test_a_second_callback_run_trains_every_batch_of_a_generator():
     which under a strategy draws batches from the input first (a generator
     would lose them) and averages replicas' uneven shares, never runs.
     """
-    import split_probe
-
     x, y = _data(56)
-    devices = tf_devices.devices(4)
 
     def batches():
         # 4 batches of 14 rows: 4/4/4/2 on the 4 replicas.
         for start in range(0, 56, 14):
             yield x[start : start + 14], y[start : start + 14]
 
-    def built():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(8, activation="tanh")(split_probe.probe()(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    def trained(callbacks):
+        model = _model(keras.Model, probe=True)
         _compile(model)
-        return model
-
-    model, reference = built(), built()
-    distribution = keras_parallel.DataParallel(devices=devices)
-    losses, records = {}, None
-    for fitted in (model, reference):
-        callbacks = []
-        if fitted is model:
-            callbacks = [keras_parallel.ShardingCallback(distribution)]
-        fitted.fit(x, y, batch_size=8, verbose=0, callbacks=callbacks)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=callbacks)
         split_probe.clear()
-        history = fitted.fit(batches(), epochs=1, verbose=0, callbacks=callbacks)
-        losses[fitted is model] = history.history["loss"]
-        records = split_probe.records() if fitted is model else records
+        history = model.fit(batches(), epochs=1, verbose=0, callbacks=callbacks)
+        return model, history.history["loss"], split_probe.records()
+
+    distribution = keras_parallel.DataParallel(devices=tf_devices.devices(4))
+    model, loss, records = trained([keras_parallel.ShardingCallback(distribution)])
+    reference, expected_loss, _ = trained([])
     # Every batch of the generator trained, each split over the 4 replicas.
     assert sorted(rows for _, rows in records) == [2] * 4 + [4] * 12
     for ours, expected in zip(
         model.get_weights(), reference.get_weights(), strict=True
     ):
         np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
