@@ -69,6 +69,14 @@ class DistributedModel:
             binding.prepare(self)
             self._kp_binding = binding
 
+    def __reduce__(self):
+        # Keras pickles a model as its saved file and a function that loads
+        # it, which looks the class up by its name among the registered
+        # ones: unregistered, `Net` would not be found. pickle carries the
+        # class itself (by its module and name, as any class it pickles).
+        load, args = super().__reduce__()
+        return _unpickled, (self.__class__, load.__name__, args)
+
     def save(self, *args, **kwargs):
         """`keras.Model.save`, in a file that plain Keras can load too.
 
@@ -270,6 +278,14 @@ class DistributedModel:
 
     def make_predict_function(self, force=False):
         return self._kp_make("predict", super().make_predict_function, force)
+
+
+def _unpickled(cls, load, args):
+    """A pickled `DistributedModel`: Keras's `load(*args)` of class `cls`."""
+    import keras
+
+    with keras.saving.custom_object_scope({cls.__name__: cls}):
+        return getattr(cls, load)(*args)
 
 
 def _snapshot(model):

@@ -42,6 +42,15 @@ class TrainerMixin:
         lambda self, value: _CLASS_SLOT.__set__(self, value),
     )
 
+    def __reduce__(self):
+        # Keras pickles a model as `(type(model)._unpickle_model, (file,))`;
+        # pickle names a class by module and name, and finds the model's
+        # own class there, not this made one: name the model's own.
+        load, args = super().__reduce__()[:2]
+        if getattr(load, "__self__", None) is type(self):
+            load = getattr(self._kp_plain_class, load.__name__)
+        return load, args
+
 
 def attribute_of(holder, name):
     """A property reading `name` from the object at `model.<holder>`.

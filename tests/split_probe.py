@@ -10,7 +10,8 @@ with `assert_divided`:
   (`jax.debug.inspect_array_sharding`, read when the step is compiled): the
   global rows and the rows of one device's shard.
 - torch: the rows this rank's `call` received (not a `meta` tensor from a
-  symbolic build); for a DTensor input, the rows of this rank's shard.
+  symbolic build); for a DTensor input, the rows of this rank's shard;
+  under `torch.compile`, read as each step runs (a graph break).
 - TensorFlow: the rows each replica's `call` received, read as the step runs.
 
 Each record is `(global_rows, device_rows)`; `global_rows` is `None` where
@@ -57,6 +58,15 @@ def _record_jax(x):
 
 
 def _record_torch(x):
+    import torch
+
+    # Under `torch.compile` (`jit_compile=True`) the probe runs as a graph
+    # break, each step, on the real batch: traced, its record would be the
+    # first step's, replayed.
+    torch.compiler.disable(_record_torch_rows)(x)
+
+
+def _record_torch_rows(x):
     if x.device.type == "meta":
         return  # A symbolic build, not a step.
     local = x.to_local() if hasattr(x, "to_local") else x

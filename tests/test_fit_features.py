@@ -185,7 +185,7 @@ def test_feature_equals_one_device(name, column, door, request):
         results = [fit_features.run(name, column, door)]
     else:
         results = request.getfixturevalue("torch_results")[(name, column, door)]
-    expected = reference(name)
+    expected = reference(case.reference or name)
     for rank, result in enumerate(results):
         if "error" in result:
             pytest.fail(f"rank {rank} raised:\n{result['error']}", pytrace=False)
@@ -205,7 +205,7 @@ def test_one_device_reference_trains(name):
         pytest.skip(f"{name} runs in no column of {BACKEND}")
     if _missing(case):
         pytest.skip(f"needs {case.needs}, not installed in this environment")
-    expected = reference(name)
+    expected = reference(case.reference or name)
     if expected["initial"] is not None:
         moved = max_relative_difference(expected["weights"], expected["initial"])
         assert moved > 1e-3, f"training moved the weights by {moved:.3g} only"

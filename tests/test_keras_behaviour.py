@@ -117,6 +117,86 @@ def test_sparse_input_is_refused_on_jax_and_the_model_is_intact(door):
     assert dense.shape == (16, 2)
 
 
+class _Dense(keras.Model):
+    """A subclassed model that declares no sparse input (Keras's tests')."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class _DistributedDense(keras_parallel.DistributedModel, _Dense):
+    pass
+
+
+def _sparse_batches(kind):
+    """`fit`'s arguments: 16 sparse rows, in batches of 2 (fewer than the
+    devices, as Keras's sparse tests) or 8, as `kind` gives them."""
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    x = scipy_sparse.random(
+        16, 6, density=0.5, format="csr", dtype="float32", random_state=0
+    )
+    y = np.ones((16, 2), "float32")
+    if kind == "scipy arrays":
+        return {"x": x, "y": y, "batch_size": 8}
+    tf = pytest.importorskip("tensorflow")
+    if kind == "tf.data":
+        dense = tf.constant(x.toarray())
+        return {
+            "x": tf.data.Dataset.from_tensor_slices(
+                (tf.sparse.from_dense(dense), y)
+            ).batch(8)
+        }
+    from jax.experimental import sparse as jax_sparse
+
+    convert = {
+        "scipy generator": lambda rows: rows,
+        "tf.SparseTensor generator": lambda rows: tf.sparse.from_dense(rows.toarray()),
+        "BCOO generator": lambda rows: jax_sparse.BCOO.fromdense(rows.toarray()),
+    }[kind]
+    return {"x": ((convert(x[i : i + 2]), y[i : i + 2]) for i in range(0, 16, 2))}
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX refuses sparse batches")
+@pytest.mark.parametrize("door", ["model", "callback"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "scipy arrays",
+        "scipy generator",
+        "tf.SparseTensor generator",
+        "BCOO generator",
+        "tf.data",
+    ],
+)
+def test_every_sparse_batch_is_refused_on_jax_before_a_step(kind, door):
+    # Whatever the model declares: Keras's own sparse tests feed a
+    # subclassed model, no sparse `Input`, batches of 2 rows.
+    for entry_point in ("fit", "evaluate", "predict"):
+        if door == "model":
+            model = _DistributedDense()
+            model.compile("sgd", "mse", distribution=keras_parallel.DataParallel())
+            callbacks = []
+        else:
+            model, callbacks = _Dense(), [_callback()]
+            model.compile("sgd", "mse")
+        model(np.zeros((1, 6), "float32"))  # Built: weights to compare.
+        before = [np.array(w) for w in model.get_weights()]
+        assert before
+        arguments = _sparse_batches(kind)
+        if entry_point == "predict":
+            arguments.pop("y", None)
+        with pytest.raises(ShardingError, match="sparse batch cannot be split"):
+            getattr(model, entry_point)(verbose=0, callbacks=callbacks, **arguments)
+        for callback in callbacks:
+            callback.close()
+        for a, b in zip(model.get_weights(), before, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{kind}: {entry_point}")
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow splits sparse")
 @pytest.mark.parametrize("door", ["model", "callback"])
 def test_sparse_input_is_split_on_tensorflow_as_one_device_trains(door):

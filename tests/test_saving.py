@@ -9,6 +9,7 @@ Both continue training exactly as the original does.
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -197,6 +198,29 @@ def test_data_parallel_round_trip_with_the_class(tmp_path):
     x, y = next_batch()
     np.testing.assert_allclose(
         loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-6
+    )
+    expected = fit_one_step(model)
+    assert max_relative_difference(expected, fit_one_step(loaded)) < 1e-6
+
+
+def test_a_net_pickles_to_itself_before_compile_and_after_fit():
+    # Pickle is how multiprocessing, joblib and Ray hand a model on; Keras
+    # finds an unregistered `Net` only if pickle carries the class itself.
+    x, _ = next_batch()
+    fresh = dense_model(Net)
+    loaded = pickle.loads(pickle.dumps(fresh))
+    assert type(loaded) is Net
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), fresh.predict(x, verbose=0), rtol=1e-6, atol=1e-6
+    )
+
+    model = trained(data_parallel())
+    loaded = pickle.loads(pickle.dumps(model))
+    assert type(loaded) is Net
+    assert isinstance(loaded.distribution, keras.distribution.DataParallel)
+    assert_same_optimizer_state(optimizer_state(model), optimizer_state(loaded))
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6
     )
     expected = fit_one_step(model)
     assert max_relative_difference(expected, fit_one_step(loaded)) < 1e-6

@@ -9,6 +9,7 @@ a small machine; the single-device references run in this process.
 """
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -139,6 +140,27 @@ def test_only_a_mesh_that_splits_more_than_the_batch_needs_dtensors():
     assert not splits_model(model_parallel((4, 1)))  # Data parallelism: DDP.
     assert splits_model(model_parallel((2, 2)))
     assert splits_model(model_parallel((1, 4)))
+
+
+def test_jit_compile_runs_the_mesh_steps_uncompiled_and_says_so():
+    # torch.compile of a DTensor forward fails in AOTAutograd: the mesh's
+    # steps keep the model's own `call`, and warn once (docs/torch.md).
+    from keras_parallel.backends.torch.mesh_steps import MeshSteps
+
+    model = keras.Sequential([keras.layers.Dense(2)])
+    model.compile(loss="mse", jit_compile=True)
+    steps = object.__new__(MeshSteps)
+    steps.model, steps._warned_jit = model, False
+    with pytest.warns(UserWarning, match="jit_compile=True is not applied"):
+        assert steps._forward(model.call) == model.call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert steps._forward(model.call) == model.call  # Once only.
+    model.compile(loss="mse", jit_compile=False)
+    steps._warned_jit = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert steps._forward(model.call) == model.call
 
 
 def test_placements_follow_the_layout_axes():

@@ -1,5 +1,7 @@
 """The model's class while an entry point runs (`keras_parallel.trainer_class`)."""
 
+import pickle
+
 import keras
 import numpy as np
 import pytest
@@ -206,3 +208,50 @@ def test_a_distributed_model_shows_its_own_class_and_is_plain_once_released():
     assert model.__class__ is Distributed
     model.compile(optimizer="sgd", loss="mse")  # One device: released.
     assert type(model) is Distributed and "_kp_swaps" not in vars(model)
+
+
+def test_a_model_pickled_during_the_swap_unpickles_as_its_own_class():
+    # Keras pickles `type(model)._unpickle_model`: pickle finds a class by
+    # module and name, where the made subclass's name is the model's.
+    model = _net()
+    x = np.ones((2, 3), "float32")
+    restore = swap_class(model, Recording, ("test_step",))
+    try:
+        assert type(model) is not Net
+        pickled = pickle.dumps(model)
+    finally:
+        restore()
+    loaded = pickle.loads(pickled)
+    assert type(loaded) is Net
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6
+    )
+
+
+def test_a_plain_model_pickled_in_a_sharding_callback_run_unpickles_whole():
+    import keras_parallel
+
+    devices = None
+    if keras.backend.backend() == "tensorflow":
+        import tf_devices
+
+        devices = tf_devices.devices(2)
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    pickled = []
+
+    class Pickle(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pickled.append(pickle.dumps(self.model))
+
+    x = np.arange(24, dtype="float32").reshape(8, 3) / 24
+    sharding = keras_parallel.ShardingCallback(
+        keras_parallel.DataParallel(devices=devices)
+    )
+    model.fit(x, x[:, :2], batch_size=4, verbose=0, callbacks=[sharding, Pickle()])
+    loaded = pickle.loads(pickled[-1])  # After the last step: fit's weights.
+    assert type(loaded) is type(model)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6
+    )

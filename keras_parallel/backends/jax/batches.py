@@ -61,17 +61,7 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous, divide
     sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
     spec = getattr(sharding, "spec", ())
     if spec and spec[0] is not None and isinstance(per_process_batch, JAXSparse):
-        raise ShardingError(
-            "A sparse batch cannot be split over the devices on JAX: a "
-            "sparse array has no rows to lay out on the data axis. Received: "
-            f"a {type(per_process_batch).__name__} batch of shape "
-            f"{tuple(per_process_batch.shape)} (sparse input: a SciPy sparse "
-            "matrix, a tf.SparseTensor, or keras.Input(sparse=True)); densify "
-            "it (x.toarray(), tf.sparse.to_dense) and build the model with "
-            "keras.Input(sparse=False), train it on one device, or use the "
-            "TensorFlow backend, which splits sparse batches. Nothing was "
-            "trained."
-        )
+        raise sparse_batch_error(per_process_batch)
     if spec and spec[0] is not None and per_process_batch.ndim:
         names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
         ways = 1
@@ -85,6 +75,45 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous, divide
         # Each process holds the whole batch; it transfers only its rows.
         return processes.place(per_process_batch, sharding)
     return previous(per_process_batch, sharding, batch_dim_name)
+
+
+def sparse_batch_error(sparse):
+    """The `ShardingError` refusing the sparse array `sparse` as a batch."""
+    return ShardingError(
+        "A sparse batch cannot be split over the devices on JAX: a "
+        "sparse array has no rows to lay out on the data axis. Received: "
+        f"a {type(sparse).__name__} batch of shape {tuple(sparse.shape)} "
+        "(sparse input: a SciPy sparse matrix, a tf.SparseTensor or a "
+        "BCOO, or keras.Input(sparse=True)); densify it (x.toarray(), "
+        "tf.sparse.to_dense, x.todense()) and build the model with "
+        "keras.Input(sparse=False), train it on one device, or use the "
+        "TensorFlow backend, which splits sparse batches. Nothing was "
+        "trained."
+    )
+
+
+def refusing_sparse(get_jax_iterator):
+    """A data adapter's `get_jax_iterator`, refusing sparse batches.
+
+    Keras's adapters turn SciPy and TensorFlow sparse input into BCOO arrays
+    here; laid out leaf by leaf, a BCOO's index and value arrays would be
+    split as if they were rows (JAX's `device_put` then refuses them, or
+    splits them wrongly). Refused before the batch reaches a step, whatever
+    the model declares, so the weights stay as they were.
+    """
+
+    def batches(adapter, *args, **kwargs):
+        for batch in get_jax_iterator(adapter, *args, **kwargs):
+            for leaf in jax.tree_util.tree_leaves(batch, is_leaf=_is_sparse):
+                if _is_sparse(leaf):
+                    raise sparse_batch_error(leaf)
+            yield batch
+
+    return batches
+
+
+def _is_sparse(leaf):
+    return isinstance(leaf, JAXSparse)
 
 
 def jit_splitting_batches(function, *args, previous, batch_sharding, donate, **kwargs):

@@ -119,12 +119,14 @@ class JaxExecutor(Executor):
         keras.distribution.set_distribution(self._planned)
         replacements = Replacements()
         divided = None
+        iterators = {
+            (cls, "get_jax_iterator"): cls.get_jax_iterator for cls in DATA_ADAPTERS
+        }
         if processes.is_multi_process():
             divided = self._divided_input()
-            for (cls, name), function in adapter_replacements(
-                divided, DATA_ADAPTERS
-            ).items():
-                replacements.replace(cls, name, function)
+            iterators = adapter_replacements(divided, DATA_ADAPTERS)
+        for (cls, name), function in iterators.items():
+            replacements.replace(cls, name, batches.refusing_sparse(function))
         lib = keras_jax_distribution_lib
         replacements.replace(
             lib,

@@ -16,7 +16,8 @@ distribution_lib = internal(
     "keras.src.backend.jax.distribution_lib", "distribute_data_input", "initialize"
 )
 
-#: The data adapters whose `get_jax_iterator` `divided_input` replaces, and
+#: The data adapters whose `get_jax_iterator` keras_parallel replaces
+#: (`batches.refusing_sparse`, `divided_input`), and
 #: what it reads of Keras's to make batches as Keras does.
 _adapters = "keras.src.trainers.data_adapters"
 _ADAPTER_CLASSES = (
@@ -72,6 +73,7 @@ REPLACED = (
         Target(
             f"{_adapters}.{module}.{name}",
             "get_jax_iterator",
+            "a sparse batch refused before its step (`batches.refusing_sparse`); "
             "across processes, each process prepares only its share of the "
             "input (`divided_input.py`)",
         )

@@ -4,7 +4,7 @@ See `keras_parallel.keras_compat` for why and how these are checked.
 Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
-from keras_parallel.keras_compat import internal
+from keras_parallel.keras_compat import find, internal, internal_any
 from keras_parallel.replacement_targets import Target
 
 #: Keras 3.16's torch `Trainer` (3.15's is `TorchTrainer`), which wraps the model
@@ -17,6 +17,14 @@ if torch_trainer_with_ddp is not None:
         "Trainer.get_metrics_result",
         "Trainer._initialize_ddp",
     )
+#: Keras's torch trainer class (3.16's `Trainer`, 3.15's `TorchTrainer`), whose
+#: `_should_torch_compile` says whether `jit_compile=True` compiles Keras's
+#: whole step function (`trainer.TorchTrainer` answers no; `steps` compiles
+#: the model's forward pass instead).
+keras_torch_trainer = internal_any(
+    "keras.src.backend.torch.trainer", "Trainer", "TorchTrainer"
+)
+find(keras_torch_trainer, "_should_torch_compile")
 #: The epoch iterator of Keras's torch trainer (`same_data`, `divided_input`).
 TorchEpochIterator = internal(
     "keras.src.backend.torch.trainer",

@@ -6,6 +6,7 @@ each output gradient is scaled by `1 / D` (D: the data axis's size).
 """
 
 import contextlib
+import warnings
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ class MeshSteps(RankSteps):
         )
         self._local_rows = None
         self._stack = None
+        self._warned_jit = False
         #: Read gathered where split (`gathered_for_use`).
         self._convolution_variables = convolution_variables(model)
         self._constraints = OutputConstraints(self)
@@ -94,6 +96,21 @@ class MeshSteps(RankSteps):
             super().uninstall()
 
     # ------------------------------------------------- RankSteps hooks
+    def _forward(self, call):
+        if getattr(self.model, "jit_compile", False) and not self._warned_jit:
+            self._warned_jit = True
+            warnings.warn(
+                "jit_compile=True is not applied under a torch ModelParallel "
+                "distribution: its steps run uncompiled, with the same "
+                "results. torch.compile of a forward pass over DTensor "
+                "variables fails inside AOTAutograd (RecursionError, torch "
+                f"{torch.__version__}). Received: jit_compile=True; compile "
+                "with jit_compile=False to silence this warning, or use "
+                "DataParallel, which compiles the forward pass.",
+                stacklevel=2,
+            )
+        return call
+
     def _check_batch(self, rows):
         """Any batch size: a batch the batch axis does not divide is whole."""
 

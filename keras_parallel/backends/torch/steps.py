@@ -82,7 +82,7 @@ class RankSteps(StepMetrics):
         model = self.model
         # The model's own methods, read before its class puts the trainer's
         # first (`trainer.TorchTrainer`).
-        self._own_call = model.call
+        self._own_call = self._forward(model.call)
         self._original_metrics_result = local_metrics_result(model)
         self._keras_steps = {
             kind: keras_step(model, f"{kind}_step") for kind in ("train", "test")
@@ -255,6 +255,18 @@ class RankSteps(StepMetrics):
         return logs
 
     # What a subclass (`mesh_steps.MeshSteps`) changes, one decision each.
+    def _forward(self, call):
+        """The model's forward pass as the steps run it.
+
+        With Keras's `jit_compile=True`, compiled by `torch.compile`, inside
+        the uncompiled step (`TorchTrainer._should_torch_compile`): what the
+        PyTorch recipe for DDP compiles, while keras_parallel's collectives
+        and per-step bookkeeping run as written.
+        """
+        if getattr(self.model, "jit_compile", False):
+            return torch.compile(call)
+        return call
+
     def _check_batch(self, rows):
         if rows < self.world_size:
             raise ValueError(

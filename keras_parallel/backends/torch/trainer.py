@@ -14,6 +14,7 @@ NAMES = (
     "get_metrics_result",
     "_get_metrics_result_or_logs",
     "call",
+    "_should_torch_compile",
 )
 
 
@@ -28,6 +29,14 @@ class TorchTrainer(TrainerMixin):
         "_kp_steps", "_get_metrics_result_or_logs"
     )
     call = attribute_of("_kp_steps", "call")
+
+    def _should_torch_compile(self):
+        # With `jit_compile=True` Keras would `torch.compile` its whole step
+        # function, keras_parallel's collectives and per-step bookkeeping
+        # inside it: traced once, they would be replayed without their
+        # Python state (DDP's reducer, the rows of the step). The steps
+        # compile the model's forward pass instead (`RankSteps.install`).
+        return False
 
 
 #: The methods `MeshTrainer` defines.
