@@ -209,3 +209,13 @@ def test_bad_launch_options_name_the_fix(tmp_path, options, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not list(tmp_path.iterdir())  # Nothing ran, nothing written.
+
+
+def test_a_single_machine_launch_listens_on_loopback_only(tmp_path):
+    # JAX's coordination service binds every interface unless told where;
+    # the launch tells it the address its processes reach it at.
+    from listening_sockets import assert_loopback_only, sockets_while_in_fit
+
+    command = jax_launch_command("listening_script.py", tmp_path)
+    env = checkout_env(KERAS_BACKEND="jax", KP_WAIT_S="3")
+    assert_loopback_only(*sockets_while_in_fit(command, env, tmp_path, 2, TIMEOUT_S))

@@ -302,3 +302,19 @@ def test_cli_ctrl_c_ends_every_rank_with_one_line(tmp_path):
     assert err.count("keras-parallel launch:") == 1, err[-3000:]
     assert "keras-parallel launch: stopped by signal 2; ending every rank." in err
     assert left == []
+
+
+def test_launch_listens_on_loopback_only(tmp_path):
+    # torch's TCPStore binds every interface when it opens its own socket:
+    # `launch` hands it one bound to 127.0.0.1.
+    from listening_sockets import assert_loopback_only, sockets_while_in_fit
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    command = [
+        sys.executable,
+        os.path.join(here, "listening_script.py"),
+        str(tmp_path),
+        "launch",
+    ]
+    env = checkout_env(KERAS_BACKEND="torch", KP_WAIT_S="3")
+    assert_loopback_only(*sockets_while_in_fit(command, env, tmp_path, 2, 240))

@@ -8,8 +8,8 @@ backend must implement them (the defaults raise). See `docs/design.md`.
 
 import abc
 import contextlib
-import pickle
 
+from keras_parallel import wire
 from keras_parallel.backends.checkpoint_io import CheckpointIO
 
 
@@ -210,14 +210,18 @@ class Executor(abc.ABC):
         return value
 
     def broadcast(self, value, src=0):
-        """Returns process `src`'s `value` (picklable) on every process.
+        """Returns process `src`'s `value` on every process.
 
-        Backends implement `broadcast_bytes`; this pickles around it.
+        Backends implement `broadcast_bytes`; the value travels around it as
+        data (`keras_parallel.wire`: arrays, numbers, strings and nests of
+        them), never pickled.
         """
         if self.num_processes == 1:
             return value
-        payload = pickle.dumps(value) if self.process_index == src else b""
-        return pickle.loads(self.broadcast_bytes(payload, src))
+        payload = wire.encode(value) if self.process_index == src else b""
+        return wire.decode(
+            self.broadcast_bytes(payload, src), where=f"the broadcast of process {src}"
+        )
 
     def broadcast_bytes(self, payload, src=0):
         """Returns process `src`'s `payload` (bytes) on every process.

@@ -19,6 +19,14 @@ def commands(args, base_env=None):
     base = dict(os.environ if base_env is None else base_env)
     nproc, nnodes = args.nproc_per_node, args.nnodes
     port = args.master_port
+    host = args.master_addr
+    # JAX's coordination service binds every interface (`[::]`) unless told:
+    # the address the processes reach it at is the one interface it needs.
+    bind = (
+        f"[{host}]:{port}"
+        if ":" in host and not host.startswith("[")
+        else f"{host}:{port}"
+    )
     out = []
     for local in range(nproc):
         env = dict(
@@ -28,6 +36,7 @@ def commands(args, base_env=None):
                 runtime.ADDRESS_ENV: f"{args.master_addr}:{port}",
                 runtime.COUNT_ENV: str(nproc * nnodes),
                 runtime.ID_ENV: str(args.node_rank * nproc + local),
+                "JAX_COORDINATOR_BIND_ADDRESS": bind,
             },
         )
         if args.devices_per_process:

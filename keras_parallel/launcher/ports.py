@@ -12,6 +12,24 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
+def loopback_listener():
+    """A TCP socket listening on 127.0.0.1 at a free port, held open.
+
+    Handed to a server (`TCPStore(master_listen_fd=...)`), it keeps the
+    server on loopback (torch's store binds every interface when it opens
+    its own socket) and the port ours from the start: no other process can
+    take it between choosing and binding.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 def check_port_free(address, port, role="coordinator"):
     """Refuses (`ValueError`) a port something on this node already listens on.
 

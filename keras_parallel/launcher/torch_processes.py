@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 
-from keras_parallel.launcher.ports import free_port
+from keras_parallel.launcher.ports import loopback_listener
 
 #: Seconds the other ranks get to stop by themselves after one failed.
 FAILURE_GRACE_S = 30.0
@@ -106,10 +106,21 @@ def launch(
         )
     if threads_per_process is None:
         threads_per_process = max(1, (os.cpu_count() or 1) // num_processes)
-    port = free_port()
     # The store the ranks rendezvous on lives here, as torchrun's agent
     # store does: it outlives every rank, so failures can still be named.
-    store = TCPStore("127.0.0.1", port, num_processes, True, wait_for_workers=False)
+    # On a socket of ours, bound to loopback: nothing off this machine can
+    # reach the store or join the group.
+    listener = loopback_listener()
+    port = listener.getsockname()[1]
+    # The store owns the socket from here, and closes it when it goes.
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        num_processes,
+        True,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
     context = multiprocessing.get_context(start_method)
     results = context.SimpleQueue()
     env = {

@@ -6,11 +6,11 @@ A generator is drawn by process 0 alone and handed out through
 
 import collections
 import itertools
-import pickle
 
 import jax
 import numpy as np
 
+from keras_parallel import wire
 from keras_parallel.backends.jax import processes
 from keras_parallel.backends.jax.keras_compat import data_adapter_utils, tree
 from keras_parallel.input import kinds, rank_loader, tf_data_rows
@@ -131,7 +131,10 @@ class DividedInput:
                 payload = _dumps(next(data_adapter_utils.get_numpy_iterator([batch])))
             made = processes.allgather_bytes(payload)
             for k in range(group, min(group + self.processes, len(order))):
-                yield pickle.loads(made[k - group])
+                yield wire.decode(
+                    made[k - group],
+                    where=f"PyDataset batch {k} from process {k - group}",
+                )
 
     def _generator_batches(self, adapter, previous):
         run = next(_runs)
@@ -149,7 +152,8 @@ class DividedInput:
                 store.put_bytes(_key(run, drawn, process), _dumps(_END))
             return
         for position in itertools.count():
-            batch = pickle.loads(store.take_bytes(_key(run, position, self.process)))
+            key = _key(run, position, self.process)
+            batch = wire.decode(store.take_bytes(key), where=f"{key!r} from process 0")
             if isinstance(batch, str) and batch == _END:
                 return
             yield batch
@@ -200,7 +204,7 @@ def _key(run, position, process):
 
 
 def _dumps(batch):
-    return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+    return wire.encode(batch)
 
 
 def _share_torch_random_state(loader):

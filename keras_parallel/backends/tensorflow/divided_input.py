@@ -8,13 +8,13 @@ import atexit
 import base64
 import gc
 import itertools
-import pickle
 import threading
 import time
 
 import numpy as np
 import tensorflow as tf
 
+from keras_parallel import wire
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import data_adapter_utils, tree
 from keras_parallel.backends.tensorflow.strategies import PER_REPLICA
@@ -235,7 +235,7 @@ class DividedInput:
                 self._put(run, position, worker, value)
 
     def _put(self, run, position, worker, value):
-        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = wire.encode(value)
         key = f"{_KEY}/{run[0]}/{position}/{worker}"
         self.store.set(key, base64.b64encode(payload).decode("ascii"))
 
@@ -251,7 +251,9 @@ class DividedInput:
                 value = self.store.try_get(key)
                 if value is not None:
                     self.store.delete(key)
-                    return pickle.loads(base64.b64decode(value))
+                    return wire.decode(
+                        base64.b64decode(value), where=f"{key!r} from worker 0"
+                    )
                 time.sleep(wait)  # Outside TensorFlow: the main thread runs.
                 wait = min(2 * wait, 0.02)
             return _END

@@ -21,7 +21,11 @@ from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.checkpoint_io import TorchCheckpointIO
 from keras_parallel.backends.torch.creation import placed_creation
 from keras_parallel.backends.torch.ddp_module import DDPModule, keras_ddp_off
-from keras_parallel.backends.torch.flat_buffers import broadcast_flat, on_group_device
+from keras_parallel.backends.torch.flat_buffers import (
+    broadcast_bytes,
+    broadcast_flat,
+    on_group_device,
+)
 from keras_parallel.backends.torch.model_parallel import MeshRunner, runs_on_mesh
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import RankSteps
@@ -337,12 +341,10 @@ class TorchExecutor(Executor):
             return float(tensor)
         return tensor.numpy()
 
-    def broadcast(self, value, src=0):
+    def broadcast_bytes(self, payload, src=0):
         if not torch_group.is_distributed():
-            return value
-        box = [value if self.process_index == src else None]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+            return payload
+        return broadcast_bytes(payload, src)
 
     def key_value_store(self):
         if not torch_group.is_distributed():

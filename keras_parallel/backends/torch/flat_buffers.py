@@ -40,6 +40,41 @@ def broadcast_flat(tensors, src=0):
     _unpack(flat, tensors)
 
 
+def broadcast_bytes(payload, src=0):
+    """Rank `src`'s `payload` (bytes) on every rank: its length, then it."""
+    return scatter_bytes([payload] * dist.get_world_size(), src)
+
+
+def scatter_bytes(pieces, src=0):
+    """This rank's piece of rank `src`'s `pieces` (one `bytes` per rank).
+
+    Two collectives: every piece's length, then the pieces padded to the
+    longest (a scatter takes equal tensors).
+    """
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    lengths = torch.zeros(world, dtype=torch.int64)
+    if rank == src:
+        lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
+    lengths = on_group_device(lengths)
+    dist.broadcast(lengths, src=src)
+    lengths = lengths.cpu().tolist()
+    longest = max(max(lengths), 1)
+    rows = None
+    if rank == src:
+        rows = [on_group_device(_padded(piece, longest)) for piece in pieces]
+    received = on_group_device(torch.empty(longest, dtype=torch.uint8))
+    dist.scatter(received, rows, src=src)
+    return received.cpu().numpy()[: lengths[rank]].tobytes()
+
+
+def _padded(piece, length):
+    row = torch.zeros(length, dtype=torch.uint8)
+    if piece:
+        row[: len(piece)] = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
+    return row
+
+
 def mean_flat(tensors, world_size):
     """Makes each of `tensors` (one floating dtype) its mean over the ranks."""
     tensors = list(tensors)

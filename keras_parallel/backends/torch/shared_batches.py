@@ -6,10 +6,11 @@ the GIL against the steps' torch calls. A generator is drawn by rank 0 alone.
 """
 
 import numpy as np
-import torch.distributed as dist
 from keras import ops
 
+from keras_parallel import wire
 from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
+from keras_parallel.backends.torch.flat_buffers import scatter_bytes
 from keras_parallel.backends.torch.keras_compat import tree
 from keras_parallel.input import kinds
 
@@ -61,11 +62,13 @@ def _scattered(batch, owner, world_size, rank):
                 start, stop, whole = split_rows(rows, world_size, r)
                 part = batch if whole else slice_rows(batch, rows, start, stop)
                 pieces.append((rows, part))
-    received = [None]
-    dist.scatter_object_list(received, pieces, src=owner)
-    if isinstance(received[0], str):
+    payloads = None if pieces is None else [wire.encode(p) for p in pieces]
+    received = wire.decode(
+        scatter_bytes(payloads, owner), where=f"a batch's rows from rank {owner}"
+    )
+    if isinstance(received, str):
         return _END
-    rows, part = received[0]
+    rows, part = received
     return rows, tree.map_structure(_tensor, part)
 
 
