@@ -94,14 +94,9 @@ def sockets_while_in_fit(command, env, directory, processes, timeout):
     import subprocess
     import time
 
-    process = subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    from subprocesses import start_in_session
+
+    process = start_in_session(command, env)
     try:
         deadline = time.monotonic() + timeout
         while len(list(pathlib.Path(directory).glob("in_fit.*"))) < processes:

@@ -45,7 +45,19 @@ def run_in_session(command, env, timeout, cwd=None):
     Raises:
         subprocess.TimeoutExpired: after killing every process it started.
     """
-    process = subprocess.Popen(
+    process = start_in_session(command, env, cwd)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def start_in_session(command, env, cwd=None):
+    """`command` started in a session of its own, its output piped as text."""
+    return subprocess.Popen(
         command,
         env=env,
         stdout=subprocess.PIPE,
@@ -54,13 +66,6 @@ def run_in_session(command, env, timeout, cwd=None):
         start_new_session=True,
         cwd=cwd,
     )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def running(marker):
