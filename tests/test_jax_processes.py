@@ -202,6 +202,8 @@ def test_a_taken_coordinator_port_is_named(tmp_path):
         (["--nnodes", "2"], "several nodes need one coordinator port"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be in [0, 2)"),
         (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+        # TEST-NET-1 (RFC 5737): an address no machine here has.
+        (["--master-addr", "192.0.2.1"], "--master-addr is not an address of"),
     ],
 )
 def test_bad_launch_options_name_the_fix(tmp_path, options, message):

@@ -8,6 +8,7 @@ process 0 hosts the coordinator.
 import os
 
 from keras_parallel.backends.jax import runtime
+from keras_parallel.cluster_environments.base import host_port
 from keras_parallel.launcher import local_processes, ports
 
 
@@ -19,14 +20,9 @@ def commands(args, base_env=None):
     base = dict(os.environ if base_env is None else base_env)
     nproc, nnodes = args.nproc_per_node, args.nnodes
     port = args.master_port
-    host = args.master_addr
     # JAX's coordination service binds every interface (`[::]`) unless told:
     # the address the processes reach it at is the one interface it needs.
-    bind = (
-        f"[{host}]:{port}"
-        if ":" in host and not host.startswith("[")
-        else f"{host}:{port}"
-    )
+    bind = host_port(args.master_addr, port)
     out = []
     for local in range(nproc):
         env = dict(
@@ -57,6 +53,8 @@ def commands(args, base_env=None):
 def main(argv):
     """Parses, checks, starts and supervises; returns the exit status."""
     args = local_processes.parse(local_processes.parser("jax"), argv)
+    if args.nnodes == 1:
+        ports.check_local_address(args.master_addr)
     if args.master_port is None:
         if args.nnodes > 1:
             raise ValueError(

@@ -30,6 +30,32 @@ def loopback_listener():
     return listener
 
 
+def check_local_address(address):
+    """Refuses (`ValueError`) an address no interface of this machine has.
+
+    A launch of one node listens at `--master-addr`: an address of another
+    machine (or none) would fail later, inside the engine, with less clear
+    words.
+    """
+    try:
+        found = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        found = []
+    for family, kind, protocol, _, where in found:
+        with socket.socket(family, kind, protocol) as probe:
+            try:
+                probe.bind(where)
+            except OSError:
+                continue
+            return
+    raise ValueError(
+        "--master-addr is not an address of this machine, and a launch of "
+        f"one node listens there. Received: --master-addr {address} with "
+        "--nnodes 1; leave it out (127.0.0.1: nothing off this machine can "
+        "reach the run), or pass one of this machine's addresses."
+    )
+
+
 def check_port_free(address, port, role="coordinator"):
     """Refuses (`ValueError`) a port something on this node already listens on.
 
