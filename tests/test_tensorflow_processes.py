@@ -213,6 +213,13 @@ def test_tensorflow_start_up_info_lines_are_quiet(launched):
     assert "coordination_service" not in stderr, stderr[-3000:]
 
 
+def test_a_one_node_launch_says_once_that_its_workers_listen_widely(launched):
+    # TensorFlow's gRPC server cannot be bound to loopback (docs/multihost.md).
+    from keras_parallel.launcher.tf_processes import LISTENS_WIDELY
+
+    assert launched[2].stderr.count(LISTENS_WIDELY) == 1, launched[2].stderr[-3000:]
+
+
 def test_clipping_accumulation_and_steps_per_execution_across_workers(tmp_path):
     # The gradients summed over every replica of every worker before they
     # are clipped and accumulated, and a step run in Keras's `tf.cond` (4

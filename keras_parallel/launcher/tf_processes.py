@@ -7,9 +7,20 @@ chief, and listens on its node's address at `--master-port + g`.
 
 import json
 import os
+import sys
 
 from keras_parallel.backends.tensorflow import DEVICES_ENV
 from keras_parallel.launcher import local_processes, ports
+
+#: Said once as a one-node launch starts: its servers cannot be bound.
+LISTENS_WIDELY = (
+    "keras-parallel launch: TensorFlow's workers listen on every interface "
+    "of this machine (its gRPC server binds 0.0.0.0, with no option to "
+    "bind one address), and what reaches them is trusted. On one machine, "
+    "one process with keras_parallel.DataParallel() (MirroredStrategy over "
+    "this machine's devices) trains the same and listens on nothing; see "
+    'docs/multihost.md, "Network and trust".'
+)
 
 
 def _parser():
@@ -108,6 +119,8 @@ def main(argv):
     for g in range(first, first + args.nproc_per_node):
         port = int(workers[g].rsplit(":", 1)[1])
         ports.check_port_free(here, port, role=f"worker {g}")
+    if args.nnodes == 1:
+        print(LISTENS_WIDELY, file=sys.stderr, flush=True)
     if free is None:
         return local_processes.run(commands(args, workers), args, label="worker")
 
