@@ -17,14 +17,16 @@ if torch_trainer_with_ddp is not None:
         "Trainer.get_metrics_result",
         "Trainer._initialize_ddp",
     )
-#: Keras's torch trainer class (3.16's `Trainer`, 3.15's `TorchTrainer`), whose
-#: `_should_torch_compile` says whether `jit_compile=True` compiles Keras's
-#: whole step function (`trainer.TorchTrainer` answers no; `steps` compiles
-#: the model's forward pass instead).
+#: Keras's torch trainer class (3.16's `Trainer`, 3.15's `TorchTrainer`), and
+#: the method it asks whether `jit_compile=True` compiles its whole step
+#: functions (3.15's name, then 3.16's): `trainer.TorchTrainer` answers no to
+#: both, and `steps` compiles the model's forward pass instead.
 keras_torch_trainer = internal_any(
     "keras.src.backend.torch.trainer", "Trainer", "TorchTrainer"
 )
-find(keras_torch_trainer, "_should_torch_compile")
+TORCH_COMPILE_CHOICES = ("_should_torch_compile", "_use_torch_compile")
+if not any(hasattr(keras_torch_trainer, name) for name in TORCH_COMPILE_CHOICES):
+    find(keras_torch_trainer, " or ".join(TORCH_COMPILE_CHOICES))
 #: The epoch iterator of Keras's torch trainer (`same_data`, `divided_input`).
 TorchEpochIterator = internal(
     "keras.src.backend.torch.trainer",

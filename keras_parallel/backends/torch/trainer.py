@@ -4,6 +4,7 @@ Each of its methods is the installed `RankSteps`' attribute of that name
 (`steps.py`), which runs the model's own method for this rank's rows.
 """
 
+from keras_parallel.backends.torch.keras_compat import TORCH_COMPILE_CHOICES
 from keras_parallel.trainer_class import TrainerMixin, attribute_of
 
 #: The methods `TorchTrainer` defines, set aside on the model while it runs.
@@ -14,7 +15,7 @@ NAMES = (
     "get_metrics_result",
     "_get_metrics_result_or_logs",
     "call",
-    "_should_torch_compile",
+    *TORCH_COMPILE_CHOICES,
 )
 
 
@@ -35,8 +36,11 @@ class TorchTrainer(TrainerMixin):
         # function, keras_parallel's collectives and per-step bookkeeping
         # inside it: traced once, they would be replayed without their
         # Python state (DDP's reducer, the rows of the step). The steps
-        # compile the model's forward pass instead (`RankSteps.install`).
+        # compile the model's forward pass instead (`RankSteps._forward`).
         return False
+
+    #: Keras 3.16's name for the same question.
+    _use_torch_compile = _should_torch_compile
 
 
 #: The methods `MeshTrainer` defines.
