@@ -5,12 +5,12 @@ backend that does not implement one raises, rather than acting as an
 identity that would let processes drift apart silently.
 """
 
-import pickle
 import random
 
 import numpy as np
 import pytest
 
+from keras_parallel import wire
 from keras_parallel.backends.base import Executor
 
 
@@ -78,7 +78,7 @@ def test_random_state_comes_from_process_0():
     np.random.seed(1)
     random.seed(1)
     process_0 = _Executor()
-    payload = pickle.dumps(process_0.checkpoint_io.host_random_state())
+    payload = wire.encode(process_0.checkpoint_io.host_random_state())
     expected = (np.random.rand(), random.random())
     np.random.seed(2)  # Process 1 seeded otherwise.
     random.seed(2)
