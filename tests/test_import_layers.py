@@ -18,6 +18,7 @@ LAYERS = (
     # What every layer uses: Keras's internals, the plan, errors, helpers.
     (
         "errors",
+        "wire",
         "keras_compat",
         "replacement_targets",
         "replacements",

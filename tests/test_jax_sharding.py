@@ -73,7 +73,11 @@ def slots_of(model, path):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("steps,tolerance", [(1, 1e-5), (10, 1e-4)])
+# One Adam step moves each weight by about the learning rate (1e-3), so
+# float32 rounding of the sharded sums shows near 1e-5 of the weights: a
+# machine with AVX2 (no AVX-512) measured 1.05e-5 for shard="optimizer" at
+# one step, on code this test passed elsewhere at 1e-5.
+@pytest.mark.parametrize("steps,tolerance", [(1, 2e-5), (10, 1e-4)])
 def test_adam_steps_equal_one_device_and_hold_an_eighth(mode, steps, tolerance):
     expected = weights_of(one_device(steps))
     model = wide_mlp(Net, probe=True)
