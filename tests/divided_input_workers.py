@@ -339,3 +339,49 @@ def pipeline_fails_on_rank_1():
     torch_workers._compile(model)
     door = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
     model.fit(Failing(), epochs=1, verbose=0, shuffle=False, callbacks=[door])
+
+
+class _OpensFile:
+    """Unpickled, it creates a file: a payload that would run code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def crafted_batch_reaches_process_1(marker):
+    """A generator's `fit` on 2 JAX processes, where the payload under the
+    key process 1 takes the first batch from is a crafted pickle (as any
+    host that reaches the coordination service could write there): on
+    process 0 the store's writes of that key are replaced by it."""
+    import pickle
+
+    import jax
+
+    import keras_parallel
+    from keras_parallel.backends.jax import processes
+    from keras_parallel.input import transport
+
+    if jax.process_index() == 0:
+        target = transport.batch_key(0, 0) + "/1"  # The first generator run's.
+        put_bytes = processes.CoordinationStore.put_bytes
+
+        def intruded(store, key, payload):
+            if key == target:
+                payload = pickle.dumps(_OpensFile(marker))
+            put_bytes(store, key, payload)
+
+        processes.CoordinationStore.put_bytes = intruded
+
+    x, y = torch_workers.make_data(256)
+
+    def batches():
+        for i in range(0, 256, BATCH):
+            yield x[i : i + BATCH], y[i : i + BATCH]
+
+    model = torch_workers.make_model(distributed=False)
+    torch_workers._compile(model)
+    door = keras_parallel.ShardingCallback(keras_parallel.DataParallel())
+    model.fit(batches(), epochs=1, verbose=0, callbacks=[door])

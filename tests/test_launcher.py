@@ -100,6 +100,23 @@ def test_cli_passes_torchrun_options(argv, expected):
     assert launch_command._torchrun_args(argv)[0] == expected
 
 
+def test_cli_puts_a_one_node_run_on_the_loopback_rendezvous(monkeypatch):
+    from keras_parallel.launcher import command as launch_command
+    from keras_parallel.launcher import loopback_rendezvous
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # Unset, and restored after.
+    args = ["--standalone", "--nproc-per-node", "2", "-m", "boot", "t.py", "--x"]
+    out = launch_command._on_loopback(args, "t.py")
+    assert "--standalone" not in out
+    assert out[out.index("--rdzv-backend") + 1] == loopback_rendezvous.BACKEND
+    assert out[out.index("--local-addr") + 1] == "127.0.0.1"
+    assert out[-6:] == ["--nproc-per-node", "2", "-m", "boot", "t.py", "--x"]
+    assert os.environ["GLOO_SOCKET_IFNAME"] in ("lo", "lo0")
+    # Several nodes: the rendezvous the user named, untouched.
+    several = ["--nnodes", "2", "--rdzv-endpoint", "h:1", "t.py", "--standalone"]
+    assert launch_command._on_loopback(several, "t.py") == several
+
+
 SCRIPT = textwrap.dedent(
     """
     import os, sys
@@ -318,3 +335,20 @@ def test_launch_listens_on_loopback_only(tmp_path):
     ]
     env = checkout_env(KERAS_BACKEND="torch", KP_WAIT_S="3")
     assert_loopback_only(*sockets_while_in_fit(command, env, tmp_path, 2, 240))
+
+
+def test_cli_on_one_node_listens_on_loopback_only(tmp_path):
+    # torchrun's --standalone opens two stores on every interface: the
+    # launch's own rendezvous keeps one, on 127.0.0.1, for the ranks too.
+    from listening_sockets import assert_loopback_only, sockets_while_in_fit
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    command = [sys.executable, "-m", "keras_parallel.cli", "launch", "--nproc", "2"]
+    command += [os.path.join(here, "listening_script.py"), str(tmp_path)]
+    env = checkout_env(KERAS_BACKEND="torch", KP_WAIT_S="3")
+    sockets, result = sockets_while_in_fit(command, env, tmp_path, 2, 240)
+    assert_loopback_only(sockets, result)
+    # One store, in the launcher (the first process started: the lowest
+    # pid); torchrun's own would be two.
+    launcher = min(pid for pid, _, _ in sockets)
+    assert len([s for s in sockets if s[0] == launcher]) == 1, sockets

@@ -53,8 +53,9 @@ _RENDEZVOUS_OPTIONS = (
 def main(argv=None):
     """`keras-parallel launch [--backend B] [--nproc N] [options] script [args]`.
 
-    On torch, `--nproc N` is `--nproc-per-node N`, `--standalone` is added
-    when no rendezvous option is given, and every other option passes through.
+    On torch, `--nproc N` is `--nproc-per-node N`; with no rendezvous
+    option (or `--standalone`) the run's stores and ranks listen on
+    127.0.0.1 only; every other option passes through.
 
     Args:
         argv: the arguments after `launch`.
@@ -92,6 +93,7 @@ def main(argv=None):
         _check(torchrun_args, script)
         torchrun_args = _signals_left_to_launcher(torchrun_args, script)
         torchrun_args = _through_bootstrap(torchrun_args, script)
+        torchrun_args = _on_loopback(torchrun_args, script)
         os.environ["KERAS_BACKEND"] = "torch"
         from torch.distributed import run
         from torch.distributed.elastic.multiprocessing import SignalException
@@ -113,6 +115,25 @@ def main(argv=None):
             )
             return bootstrap.PREEMPTED_EXIT_CODE
         return code
+
+
+def _on_loopback(torchrun_args, script):
+    """`torchrun_args`, with `--standalone` replaced by a rendezvous whose
+    stores and ranks listen on 127.0.0.1 only (`loopback_rendezvous`).
+
+    torchrun's own `--standalone` listens on every interface: any host that
+    reaches this machine could join a one-node run.
+    """
+    at = torchrun_args.index(script)
+    options = torchrun_args[:at]
+    if "--standalone" not in options:
+        return torchrun_args  # Several nodes: the rendezvous the user named.
+    from keras_parallel.launcher import loopback_rendezvous
+
+    loopback_rendezvous.register()
+    os.environ.update(loopback_rendezvous.ranks_environment())
+    options = [o for o in options if o != "--standalone"]
+    return loopback_rendezvous.options(options) + options + torchrun_args[at:]
 
 
 def _every_rank_preempted(marks, torchrun_args):

@@ -5,6 +5,7 @@ A generator is drawn by process 0 alone and handed out through
 """
 
 import collections
+import functools
 import itertools
 
 import jax
@@ -13,10 +14,9 @@ import numpy as np
 from keras_parallel import wire
 from keras_parallel.backends.jax import processes
 from keras_parallel.backends.jax.keras_compat import data_adapter_utils, tree
-from keras_parallel.input import kinds, rank_loader, tf_data_rows
+from keras_parallel.input import kinds, rank_loader, tf_data_rows, transport
 from keras_parallel.keras_compat import print_msg
 
-_END = "keras_parallel: end of the epoch"
 #: A generator run's number, the same on every process: its keys' prefix.
 _runs = itertools.count()
 #: Parts kept for `place`; older ones (of an abandoned iteration) are dropped.
@@ -128,33 +128,32 @@ class DividedInput:
             payload = b""
             if position < len(order):
                 batch = adapter._standardize_batch(dataset[order[position]])
-                payload = _dumps(next(data_adapter_utils.get_numpy_iterator([batch])))
-            made = processes.allgather_bytes(payload)
-            for k in range(group, min(group + self.processes, len(order))):
-                yield wire.decode(
-                    made[k - group],
-                    where=f"PyDataset batch {k} from process {k - group}",
-                )
+                batch = next(data_adapter_utils.get_numpy_iterator([batch]))
+                payload = wire.encode(batch)
+            made = transport.gathered(
+                payload,
+                processes.allgather_bytes,
+                where=f"a PyDataset batch of those from {group}",
+            )
+            yield from made[: min(self.processes, len(order) - group)]
 
     def _generator_batches(self, adapter, previous):
-        run = next(_runs)
-        store = processes.CoordinationStore()
-        others = [p for p in range(self.processes) if p != self.process]
+        # Every process places its rows of the whole batch: each gets it all.
+        key = functools.partial(transport.batch_key, next(_runs))
+        handout = transport.Handout(
+            self.process, self.processes, store=processes.CoordinationStore()
+        )
         if self.process == 0:
             drawn = 0
             for batch in previous(adapter):
-                payload = _dumps(batch)
-                for process in others:
-                    store.put_bytes(_key(run, drawn, process), payload)
+                handout.give(key(drawn), 0, [batch] * self.processes)
                 yield batch
                 drawn += 1
-            for process in others:
-                store.put_bytes(_key(run, drawn, process), _dumps(_END))
+            handout.end(key(drawn), 0)
             return
         for position in itertools.count():
-            key = _key(run, position, self.process)
-            batch = wire.decode(store.take_bytes(key), where=f"{key!r} from process 0")
-            if isinstance(batch, str) and batch == _END:
+            batch = handout.give(key(position), 0, None)
+            if transport.is_end(batch):
                 return
             yield batch
 
@@ -164,7 +163,7 @@ class DividedInput:
             kept = (loader, rank_loader.rank_loader(loader, self.rows_of))
             self._rank_loaders[id(loader)] = kept
         own = kept[1]
-        _share_torch_random_state(loader)
+        transport.share_torch_random_state(loader, processes.broadcast_bytes)
         iterator = iter(own)
         sizes = own.batch_sampler.sizes  # This iteration's.
         for batch in iterator:
@@ -197,29 +196,6 @@ class DividedInput:
         while len(self._parts) > _KEPT_PARTS:
             self._parts.popitem(last=False)
         return batch
-
-
-def _key(run, position, process):
-    return f"keras_parallel/input/{run}/{position}/{process}"
-
-
-def _dumps(batch):
-    return wire.encode(batch)
-
-
-def _share_torch_random_state(loader):
-    """Process 0's torch random state (or the loader's generator's) on every
-    process, so every process's loader shuffles alike."""
-    import torch
-
-    generator = loader.generator
-    state = generator.get_state() if generator is not None else torch.get_rng_state()
-    shared = processes.broadcast_bytes(state.numpy().tobytes())
-    state = torch.frombuffer(bytearray(shared), dtype=torch.uint8)
-    if generator is not None:
-        generator.set_state(state)
-    else:
-        torch.set_rng_state(state)
 
 
 def adapter_replacements(divided, adapter_classes):

@@ -14,14 +14,11 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from keras_parallel import wire
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import data_adapter_utils, tree
 from keras_parallel.backends.tensorflow.strategies import PER_REPLICA
-from keras_parallel.input import kinds, rank_loader, tf_data_rows
+from keras_parallel.input import kinds, rank_loader, tf_data_rows, transport
 
-_END = "keras_parallel: end of the epoch"
-_KEY = "keras_parallel/input"
 #: A generator run's number, the same on every worker: its keys' prefix.
 _runs = itertools.count()
 _collects_at_exit = False
@@ -91,7 +88,11 @@ class DividedInput:
         if source is None:
             return keras_dataset
         if kind == "DataLoader":
-            self._share_torch_random_state(adapter._dataloader)
+            # In the main thread, where a collective may run.
+            transport.share_torch_random_state(
+                adapter._dataloader,
+                lambda payload: tf_workers.broadcast_bytes(self.strategy, payload),
+            )
         dataset = tf.data.Dataset.from_generator(
             lambda: self._pieces(source()), output_signature=spec
         )
@@ -153,12 +154,16 @@ class DividedInput:
             return lambda: self._generator_batches(adapter, self._run())
         loader = getattr(adapter, "_dataloader", None)
         if kind == "DataLoader" and rank_loader.divisible(loader):
-            return lambda: self._loader_batches(loader, next(_runs))
+            return lambda: self._loader_batches(loader)
         return None
 
     def _run(self):
-        """A new run: `(its number, the entry point's generation)`."""
-        return next(_runs), self._generation
+        """A new run: `(its number, its Handout)`, ended with the entry point."""
+        store = _PolledStore(self, self._generation)
+        handout = transport.Handout(
+            self.worker, self.workers, store=store, who="worker"
+        )
+        return next(_runs), handout
 
     def _pydataset_batches(self, adapter, run):
         dataset = adapter.py_dataset
@@ -175,18 +180,21 @@ class DividedInput:
                     own = self._hand_out(run, mine, _numpy(batch))
                     pending = mine + self.workers
                 for position in range(group, min(group + self.workers, len(order))):
-                    part = own if position == mine else self._take(run, position)
-                    if isinstance(part, str) and part == _END:
+                    part = own
+                    if position != mine:
+                        part = self._take(run, position, owner=position - group)
+                    if transport.is_end(part):
                         return
                     yield part
         finally:
-            self._end_for_others(run, pending, len(order))
+            if pending < len(order):
+                self._end_for_others(run, pending)
 
     def _generator_batches(self, adapter, run):
         if self.worker != 0:
             for position in itertools.count():
-                taken = self._take(run, position)
-                if isinstance(taken, str) and taken == _END:
+                taken = self._take(run, position, owner=0)
+                if transport.is_end(taken):
                     return
                 yield taken
         handed = 0
@@ -198,13 +206,13 @@ class DividedInput:
         finally:
             self._end_for_others(run, handed)
 
-    def _end_for_others(self, run, position, end=None):
+    def _end_for_others(self, run, position):
         """Tells the other workers the run ended at `position`: it ran out,
         or was abandoned while another worker's prefetch waits for it."""
-        if end is None or position < end:
-            self._send_to_others(run, position, _END)
+        number, handout = run
+        handout.end(transport.batch_key(number, position), self.worker)
 
-    def _loader_batches(self, loader, run):
+    def _loader_batches(self, loader):
         kept = self._rank_loaders.get(id(loader))
         if kept is None or kept[0] is not loader:
             kept = (loader, rank_loader.rank_loader(loader, self.rows_of))
@@ -216,66 +224,50 @@ class DividedInput:
             yield sizes.popleft(), _numpy(batch)
 
     def _hand_out(self, run, position, batch):
-        """Puts every other worker's rows of `batch` in the store; returns
-        `(rows, this worker's rows)`."""
+        """Hands every other worker its rows of `batch`; returns `(rows,
+        this worker's rows)`."""
         rows = _rows(batch)
-        own = None
-        for worker in range(self.workers):
-            ranges = self.rows_of(rows, worker)
-            part = (rows, tree.map_structure(lambda x, r=ranges: _rows_in(x, r), batch))
-            if worker == self.worker:
-                own = part
-            else:
-                self._put(run, position, worker, part)
-        return own
+        parts = [
+            (rows, _rows_of(batch, self.rows_of(rows, w))) for w in range(self.workers)
+        ]
+        number, handout = run
+        return handout.give(transport.batch_key(number, position), self.worker, parts)
 
-    def _send_to_others(self, run, position, value):
-        for worker in range(self.workers):
-            if worker != self.worker:
-                self._put(run, position, worker, value)
+    def _take(self, run, position, owner):
+        """This worker's part at `position`, once `owner` made it (`END`
+        once the entry point is closed)."""
+        number, handout = run
+        return handout.give(transport.batch_key(number, position), owner, None)
 
-    def _put(self, run, position, worker, value):
-        payload = wire.encode(value)
-        key = f"{_KEY}/{run[0]}/{position}/{worker}"
-        self.store.set(key, base64.b64encode(payload).decode("ascii"))
 
-    def _take(self, run, position):
-        """This worker's part at `position`, once made (`_END` once the
-        entry point is closed)."""
-        key = f"{_KEY}/{run[0]}/{position}/{self.worker}"
-        wait = 0.0005
+class _PolledStore:
+    """The coordination store as a `transport.Handout`'s: each payload a
+    base64 string (its values are strings), read by polling, outside
+    TensorFlow, so that the main thread runs; a reader gives up once its
+    entry point is closed."""
+
+    def __init__(self, divided, generation):
+        self.divided = divided
+        self.generation = generation
+
+    def put_bytes(self, key, payload):
+        self.divided.store.set(key, base64.b64encode(payload).decode("ascii"))
+
+    def take_bytes(self, key):
+        divided, wait = self.divided, 0.0005
         reader = threading.get_ident()
-        self._waiting.add(reader)
+        divided._waiting.add(reader)
         try:
-            while run[1] == self._generation:
-                value = self.store.try_get(key)
+            while self.generation == divided._generation:
+                value = divided.store.try_get(key)
                 if value is not None:
-                    self.store.delete(key)
-                    return wire.decode(
-                        base64.b64decode(value), where=f"{key!r} from worker 0"
-                    )
-                time.sleep(wait)  # Outside TensorFlow: the main thread runs.
+                    divided.store.delete(key)
+                    return base64.b64decode(value)
+                time.sleep(wait)
                 wait = min(2 * wait, 0.02)
-            return _END
+            return None
         finally:
-            self._waiting.discard(reader)
-
-    def _share_torch_random_state(self, loader):
-        """Worker 0's torch random state (or the loader's generator's) on
-        every worker, so loaders shuffle alike; shared in the main thread,
-        where a collective may run."""
-        import torch
-
-        generator = loader.generator
-        state = (
-            generator.get_state() if generator is not None else torch.get_rng_state()
-        )
-        shared = tf_workers.broadcast_bytes(self.strategy, state.numpy().tobytes())
-        state = torch.frombuffer(bytearray(shared), dtype=torch.uint8)
-        if generator is not None:
-            generator.set_state(state)
-        else:
-            torch.set_rng_state(state)
+            divided._waiting.discard(reader)
 
 
 def _numpy(batch):
@@ -285,9 +277,11 @@ def _numpy(batch):
     return tuple(batch) if isinstance(batch, list) else batch
 
 
-def _rows_in(x, ranges):
-    """The rows of NumPy array `x` in `ranges`, concatenated."""
-    return np.concatenate([x[start:stop] for start, stop in ranges])
+def _rows_of(batch, ranges):
+    """The rows of `batch` (NumPy leaves) in `ranges`, concatenated."""
+    return tree.map_structure(
+        lambda x: np.concatenate([x[start:stop] for start, stop in ranges]), batch
+    )
 
 
 def _rows(batch):

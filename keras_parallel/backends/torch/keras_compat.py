@@ -131,6 +131,12 @@ OTHER_PRIVATE_NAMES = {
     "torch.distributed.distributed_c10d": ("_get_default_store",),
     # Where a Keras layer keeps `_torch_params` (`dtensor_layouts.retrack`).
     "torch.nn.Module": ("_modules",),
+    # The one-node launch's rendezvous keeps the ranks on its own store
+    # (`launcher/loopback_rendezvous.py`).
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous": (
+        "DynamicRendezvousHandler._create_tcp_store_server",
+        "DynamicRendezvousHandler._store",
+    ),
 }
 
 #: What the torch backend replaces while an entry point runs, through

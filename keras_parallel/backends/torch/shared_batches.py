@@ -8,13 +8,10 @@ the GIL against the steps' torch calls. A generator is drawn by rank 0 alone.
 import numpy as np
 from keras import ops
 
-from keras_parallel import wire
 from keras_parallel.backends.torch.batches import batch_rows, slice_rows, split_rows
 from keras_parallel.backends.torch.flat_buffers import scatter_bytes
 from keras_parallel.backends.torch.keras_compat import tree
-from keras_parallel.input import kinds
-
-_END = "end of the epoch"
+from keras_parallel.input import kinds, transport
 
 
 def pydataset_batches(adapter, world_size, rank):
@@ -42,18 +39,19 @@ def generator_batches(numpy_batches, world_size, rank):
     while True:
         batch = None
         if rank == 0:
-            batch = next(numpy_batches, _END)
+            batch = next(numpy_batches, transport.END)
         shared = _scattered(batch, 0, world_size, rank)
-        if shared is _END:
+        if shared is None:
             return
         yield shared
 
 
 def _scattered(batch, owner, world_size, rank):
-    """`(global rows, rows of rank)` of the owner's `batch`, on every rank."""
+    """`(global rows, rows of rank)` of the owner's `batch` on every rank;
+    None at the end of the source."""
     pieces = None
     if rank == owner:
-        if isinstance(batch, str):
+        if transport.is_end(batch):
             pieces = [batch] * world_size
         else:
             rows = batch_rows(batch)
@@ -62,12 +60,13 @@ def _scattered(batch, owner, world_size, rank):
                 start, stop, whole = split_rows(rows, world_size, r)
                 part = batch if whole else slice_rows(batch, rows, start, stop)
                 pieces.append((rows, part))
-    payloads = None if pieces is None else [wire.encode(p) for p in pieces]
-    received = wire.decode(
-        scatter_bytes(payloads, owner), where=f"a batch's rows from rank {owner}"
+    # The ranks step together: a collective scatter, no key to name.
+    handout = transport.Handout(
+        rank, world_size, scatter_bytes=scatter_bytes, who="rank"
     )
-    if isinstance(received, str):
-        return _END
+    received = handout.give("a batch's rows", owner, pieces)
+    if transport.is_end(received):
+        return None
     rows, part = received
     return rows, tree.map_structure(_tensor, part)
 
