@@ -7,6 +7,12 @@ one side into the other (Keras's small helpers such as `tree.flatten` and a
 variable's `value` included), and the crossings of control (keras_parallel
 calling Keras's step, forward pass or metrics, and those calling back).
 
+Each is counted twice: for the bare step (`model.train_step(batch)` inside
+the run's scope), and for one whole step *inside `fit`*, from one batch's
+begin to the next's: the epoch iterator's next batch, Keras's step
+function, and every callback hook (keras_parallel's exact backups and
+preemption agreement included, as `fit` runs them by default).
+
     KERAS_BACKEND=torch python benchmarks/torch_step_trace.py
 """
 
@@ -27,26 +33,8 @@ _CONTROL = {
 }
 
 
-def _trace_one_step():
-    import keras
-    import numpy as np
-    import torch
-
-    import keras_parallel
-
-    class Net(keras_parallel.DistributedModel, keras.Model):
-        pass
-
-    inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    model = Net(inputs, keras.layers.Dense(4)(hidden))
-    model.compile(
-        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
-    )
-    x = np.random.rand(256, 8).astype("float32")
-    y = np.random.rand(256, 4).astype("float32")
-    model.fit(x, y, batch_size=64, epochs=1, verbose=0)  # DDP and steps made.
-
+def _tracer():
+    """`(profile function, events, visited modules)` for `sys.setprofile`."""
     events = []
     visited = set()
 
@@ -70,6 +58,55 @@ def _trace_one_step():
         if callee[0] and caller[0] and callee[0] != caller[0]:
             events.append((caller, callee))
 
+    return profile, events, visited
+
+
+def _model():
+    import keras
+
+    import keras_parallel
+
+    class Net(keras_parallel.DistributedModel, keras.Model):
+        pass
+
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = Net(inputs, keras.layers.Dense(4)(hidden))
+    model.compile(
+        optimizer="sgd", loss="mse", distribution=keras_parallel.DataParallel()
+    )
+    return model
+
+
+def _trace_steps():
+    """`{"bare step": (events, modules), "step inside fit": (events, modules)}`."""
+    import keras
+    import numpy as np
+    import torch
+
+    model = _model()
+    rows = np.random.default_rng(0)  # The same data on every rank.
+    x = rows.random((256, 8), "float32")
+    y = rows.random((256, 4), "float32")
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)  # DDP and steps made.
+
+    profile, events, visited = _tracer()
+
+    class OneStep(keras.callbacks.Callback):
+        # From batch 1's begin to batch 2's: one whole step of the loop.
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:
+                sys.setprofile(profile)
+            elif batch == 2:
+                sys.setprofile(None)
+
+    try:
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[OneStep()])
+    finally:
+        sys.setprofile(None)
+    in_fit = (events, sorted(visited))
+
+    profile, events, visited = _tracer()
     batch = (torch.as_tensor(x[:64]), torch.as_tensor(y[:64]))
     with model._kp_binding.running(model):
         step = model.train_step  # The distributed step, installed in scope.
@@ -78,7 +115,8 @@ def _trace_one_step():
             step(batch)
         finally:
             sys.setprofile(None)
-    return events, sorted(visited)
+    traced = {"bare step": (events, sorted(visited)), "step inside fit": in_fit}
+    return traced
 
 
 def _is_control(caller, callee):
@@ -91,15 +129,17 @@ def _is_control(caller, callee):
 def main():
     from keras_parallel.launcher.torch_processes import launch
 
-    events, modules = launch(_trace_one_step, 2, timeout=180)[0]
-    control = [(a, b) for a, b in events if _is_control(a, b)]
-    print(f"calls across the boundary, helpers included: {len(events)}")
-    print(f"crossings of control: {len(control)}")
-    for (_, caller_module, caller), (_, module, function) in control:
-        print(f"  {caller_module}.{caller} -> {module}.{function}")
-    print(f"keras_parallel modules visited: {len(modules)}")
-    for module in modules:
-        print(f"  {module}")
+    traced = launch(_trace_steps, 2, timeout=180)[0]
+    for what, (events, modules) in traced.items():
+        control = [(a, b) for a, b in events if _is_control(a, b)]
+        print(f"{what}:")
+        print(f"  calls across the boundary, helpers included: {len(events)}")
+        print(f"  crossings of control: {len(control)}")
+        for (_, caller_module, caller), (_, module, function) in control:
+            print(f"    {caller_module}.{caller} -> {module}.{function}")
+        print(f"  keras_parallel modules visited: {len(modules)}")
+        for module in modules:
+            print(f"    {module}")
 
 
 if __name__ == "__main__":

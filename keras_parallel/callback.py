@@ -6,11 +6,12 @@ from keras_parallel import callback_lists
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
 from keras_parallel.persistence import atomic
+from keras_parallel.trainer_class import HeldSwap
 
 _STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
 
 
-class ShardingCallback(keras.callbacks.Callback):
+class ShardingCallback(callback_lists.PhaseCallback):
     """Runs `fit`, `evaluate` or `predict` of any compiled model distributed.
 
     The same machinery as `DistributedModel`, entered through the callback
@@ -47,10 +48,12 @@ class ShardingCallback(keras.callbacks.Callback):
     async_safe = True
 
     def __init__(self, distribution):
-        super().__init__()
+        # Each run's six begin and end hooks: `PhaseCallback`'s.
+        super().__init__(on_begin=self._begin, on_end=self._end)
         self.binding = Binding(distribution)
         self._phase = None
-        self._undo_saving = None
+        #: `ModelCheckpoint`'s files whole, for this callback's run.
+        self._saving = HeldSwap()
         #: The model's own step functions, put back when the run ends.
         self._plain_steps = None
         #: The steps compiled for the plan, kept for the next run.
@@ -84,7 +87,7 @@ class ShardingCallback(keras.callbacks.Callback):
             setattr(model, name, self._distributed_steps.get(name) if reuse else None)
         self.binding.enter(model)
         # `ModelCheckpoint`'s files appear whole, as a DistributedModel's do.
-        self._undo_saving = atomic.atomic_saving(model, self.binding.executor)
+        self._saving.hold(lambda: atomic.atomic_saving(model, self.binding.executor))
         self._end_runs_after_every_callback()
 
     def _end_runs_after_every_callback(self):
@@ -117,9 +120,7 @@ class ShardingCallback(keras.callbacks.Callback):
             self._remove_handler = None
         while self.binding.active:
             self.binding.exit(self.model)
-        if self._undo_saving is not None:
-            self._undo_saving()
-            self._undo_saving = None
+        self._saving.end()
         if self._plain_steps is not None:
             model, plain, self._plain_steps = self.model, self._plain_steps, None
             if self.binding.executor.released_after_a_callback_run:
@@ -150,24 +151,9 @@ class ShardingCallback(keras.callbacks.Callback):
             self.close()
 
     def on_train_begin(self, logs=None):
-        self._begin("train")
+        super().on_train_begin(logs)
         if self.params.get("verbose", 1) != 0:
             self.binding.announce(self.model, print_msg)
-
-    def on_train_end(self, logs=None):
-        self._end("train")
-
-    def on_test_begin(self, logs=None):
-        self._begin("test")
-
-    def on_test_end(self, logs=None):
-        self._end("test")
-
-    def on_predict_begin(self, logs=None):
-        self._begin("predict")
-
-    def on_predict_end(self, logs=None):
-        self._end("predict")
 
 
 def _check_model(model):

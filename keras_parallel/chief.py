@@ -81,9 +81,4 @@ def chief_only_saving(model, saving=None):
     Returns:
         A function that undoes it.
     """
-    return swap_class(
-        model,
-        ChiefOnlySaving,
-        ("save", "save_weights"),
-        _kp_collective_saving=saving,
-    )
+    return swap_class(model, ChiefOnlySaving, _kp_collective_saving=saving)

@@ -20,7 +20,9 @@ from keras_parallel.replacements import target_of
 #: `object`'s own `__class__`, which assigns past the mixin's property.
 _CLASS_SLOT = object.__dict__["__class__"]
 
-#: `{model's class: {mixins: subclass}}`, made once per class and mixins.
+#: `{model's class: {mixins: weak reference to the subclass}}`: made once
+#: per class and mixins, and released with the last model of it (a made
+#: subclass holds its class, so a strong value would keep its own key).
 _made = weakref.WeakKeyDictionary()
 
 
@@ -72,7 +74,8 @@ def trainer_class(cls, mixins):
         A class whose MRO is `mixins`', then `cls`'s.
     """
     made = _made.setdefault(cls, {})
-    subclass = made.get(mixins)
+    kept = made.get(mixins)
+    subclass = None if kept is None else kept()
     if subclass is None:
         subclass = type(
             cls.__name__,
@@ -83,21 +86,39 @@ def trainer_class(cls, mixins):
                 "_kp_plain_class": cls,
             },
         )
-        made[mixins] = subclass
+        made[mixins] = weakref.ref(subclass)
     return subclass
 
 
-def swap_class(model, mixin, names, **state):
+def names_of(mixin):
+    """The attributes `mixin` defines (its classes' below `TrainerMixin`):
+    what a model holding the same names on itself would hide.
+
+    Args:
+        mixin: a `TrainerMixin` subclass.
+
+    Returns:
+        A tuple of names, the mixin's own first.
+    """
+    names = []
+    for cls in mixin.__mro__:
+        if cls is TrainerMixin or not issubclass(cls, TrainerMixin):
+            break
+        names += [n for n in vars(cls) if not (n.startswith("__") and n.endswith("__"))]
+    return tuple(dict.fromkeys(names))
+
+
+def swap_class(model, mixin, **state):
     """Puts `mixin` first in `model`'s class until the returned function runs.
 
     The swaps of one model may end in any order: each leaves the class made
-    of the mixins still in force.
+    of the mixins still in force, and what the model holds on itself under
+    a mixin's names (`names_of`), which would hide the mixin's, stays set
+    aside while any mixin in force defines the name.
 
     Args:
         model: the `keras.Model`.
         mixin: a `TrainerMixin` subclass.
-        names: the methods `mixin` defines. Those the model holds on itself
-            (which would hide the mixin's) are set aside meanwhile.
         **state: attributes set on the model meanwhile, for the mixin to read
             (`_kp_` names: past Keras's and torch's tracking).
 
@@ -110,8 +131,10 @@ def swap_class(model, mixin, names, **state):
     target_of(model, "__class__")
     own = vars(model)
     swaps = own.setdefault("_kp_swaps", [])
+    set_aside = own.setdefault("_kp_set_aside", {})
     plain = type(model)._kp_plain_class if swaps else type(model)
-    swap = (mixin, {name: own.pop(name) for name in names if name in own}, state)
+    set_aside.update({n: own.pop(n) for n in names_of(mixin) if n in own})
+    swap = (mixin, state)
     swaps.append(swap)
     own.update(state)
     _set_class(model, plain)
@@ -122,19 +145,51 @@ def swap_class(model, mixin, names, **state):
         swaps[:] = [s for s in swaps if s is not swap]
         for key in state:
             own.pop(key, None)
-        for _, _, kept_state in swaps:  # Another swap's of the same names.
+        for _, kept_state in swaps:  # Another swap's of the same names.
             own.update(kept_state)
-        own.update(swap[1])
+        in_force = {n for m, _ in swaps for n in names_of(m)}
+        for name in [n for n in set_aside if n not in in_force]:
+            own[name] = set_aside.pop(name)
         _set_class(model, plain)
         if not swaps:
-            del own["_kp_swaps"]
+            del own["_kp_swaps"], own["_kp_set_aside"]
 
     return restore
+
+
+class HeldSwap:
+    """A swap held longer than one entry point (a model's distributed
+    life, a callback's run): put in force once, ended once.
+
+    Example:
+
+    ```python
+    saving = HeldSwap()
+    saving.hold(lambda: swap_class(model, ChiefOnlySaving))
+    saving.hold(lambda: swap_class(model, ChiefOnlySaving))  # Held: nothing.
+    saving.end()
+    ```
+    """
+
+    def __init__(self):
+        self._end = None
+
+    def hold(self, swap):
+        """Calls `swap()` (which puts a swap in force and returns the function
+        that ends it) unless a swap is held already."""
+        if self._end is None:
+            self._end = swap()
+
+    def end(self):
+        """Ends the held swap, if any (safe to call twice)."""
+        end, self._end = self._end, None
+        if end is not None:
+            end()
 
 
 def _set_class(model, plain):
     swaps = vars(model).get("_kp_swaps")
     # A mixin in force twice (two `ShardingCallback`s' plans on one model)
     # is one base, where its newest swap puts it; the newest state holds.
-    mixins = tuple(dict.fromkeys(mixin for mixin, _, _ in reversed(swaps or ())))
+    mixins = tuple(dict.fromkeys(mixin for mixin, _ in reversed(swaps or ())))
     _CLASS_SLOT.__set__(model, trainer_class(plain, mixins) if mixins else plain)

@@ -193,6 +193,15 @@ def test_launch_port_check_takes_a_time_wait_port_not_a_listening_one():
             ports.check_port_free("127.0.0.1", taken, role="worker 0")
 
 
+def test_torchs_gloo_is_kept_on_loopback_unless_the_user_chose(monkeypatch):
+    from keras_parallel.launcher import ports
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    assert ports.gloo_on_loopback()["GLOO_SOCKET_IFNAME"] in ("lo", "lo0")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
+    assert ports.gloo_on_loopback() == {}
+
+
 def test_launch_names_a_process_killed_by_a_signal(capfd):
     # SIGKILL (the out-of-memory killer's) leaves no traceback to point to.
     from keras_parallel.launcher import supervisor

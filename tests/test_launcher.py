@@ -101,20 +101,53 @@ def test_cli_passes_torchrun_options(argv, expected):
 
 
 def test_cli_puts_a_one_node_run_on_the_loopback_rendezvous(monkeypatch):
+    from keras_parallel.launcher import bound_rendezvous
     from keras_parallel.launcher import command as launch_command
-    from keras_parallel.launcher import loopback_rendezvous
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # Unset, and restored after.
     args = ["--standalone", "--nproc-per-node", "2", "-m", "boot", "t.py", "--x"]
-    out = launch_command._on_loopback(args, "t.py")
+    out = launch_command._bound_rendezvous(args, "t.py")
     assert "--standalone" not in out
-    assert out[out.index("--rdzv-backend") + 1] == loopback_rendezvous.BACKEND
+    assert out[out.index("--rdzv-backend") + 1] == bound_rendezvous.BACKEND
     assert out[out.index("--local-addr") + 1] == "127.0.0.1"
     assert out[-6:] == ["--nproc-per-node", "2", "-m", "boot", "t.py", "--x"]
     assert os.environ["GLOO_SOCKET_IFNAME"] in ("lo", "lo0")
-    # Several nodes: the rendezvous the user named, untouched.
+
+
+def test_cli_binds_node_0s_static_store_to_the_master_address():
+    from keras_parallel.launcher import bound_rendezvous
+    from keras_parallel.launcher import command as launch_command
+
+    args = ["--nnodes", "2", "--node-rank=1", "--master-addr", "10.1.2.3"]
+    args += ["--master-port", "4000", "--rdzv-conf", "timeout=60", "t.py", "--x"]
+    out = launch_command._bound_rendezvous(args, "t.py")
+    assert out == [
+        "--rdzv-backend",
+        bound_rendezvous.STATIC,
+        "--rdzv-endpoint",
+        "10.1.2.3:4000",
+        "--nnodes",
+        "2",
+        "--rdzv-conf",
+        "timeout=60,rank=1",
+        "t.py",
+        "--x",
+    ]
+    # A rendezvous the user named, untouched.
     several = ["--nnodes", "2", "--rdzv-endpoint", "h:1", "t.py", "--standalone"]
-    assert launch_command._on_loopback(several, "t.py") == several
+    assert launch_command._bound_rendezvous(several, "t.py") == several
+
+
+def test_node_0_refuses_a_master_address_that_is_not_its_own():
+    from keras_parallel.launcher import bound_rendezvous
+
+    with pytest.raises(ValueError, match="--master-addr 192.0.2.1 --master-port"):
+        bound_rendezvous.bound_listener("192.0.2.1", 0)  # TEST-NET-1: nobody's.
+    listener = bound_rendezvous.bound_listener("127.0.0.1", 0)
+    try:
+        assert listener.getsockname()[0] == "127.0.0.1"
+    finally:
+        listener.close()
 
 
 SCRIPT = textwrap.dedent(

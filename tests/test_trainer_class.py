@@ -48,7 +48,7 @@ def _net():
 
 def _calls_of_evaluate_under(model, mixin):
     """What `Recording.calls` holds after an `evaluate` with `mixin` swapped in."""
-    restore = swap_class(model, mixin, ("test_step",))
+    restore = swap_class(model, mixin)
     Recording.calls.clear()
     try:
         model.evaluate(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
@@ -65,7 +65,7 @@ def test_the_mixin_comes_before_the_models_own_methods():
 
 def test_the_model_shows_its_own_class_and_is_put_back():
     model = _net()
-    restore = swap_class(model, Recording, ("test_step",))
+    restore = swap_class(model, Recording)
     assert type(model).__mro__[1] is Recording
     assert model.__class__ is Net
     assert isinstance(model, Net) and isinstance(model, Recording)
@@ -88,8 +88,8 @@ def test_a_class_swapped_twice_still_shows_the_models_own():
         pass
 
     model = _net()
-    outer = swap_class(model, Recording, ())
-    inner = swap_class(model, Other, ())
+    outer = swap_class(model, Recording)
+    inner = swap_class(model, Other)
     assert type(model).__mro__[1:3] == (Other, Recording)
     assert model.__class__ is Net
     inner()
@@ -103,8 +103,8 @@ def test_swaps_ended_in_any_order_leave_the_mixins_still_in_force():
         pass
 
     model = _net()
-    first = swap_class(model, Recording, (), _kp_first=1)
-    second = swap_class(model, Other, (), _kp_second=2)
+    first = swap_class(model, Recording, _kp_first=1)
+    second = swap_class(model, Other, _kp_second=2)
     first()
     assert type(model).__mro__[1] is Other and model.__class__ is Net
     assert not hasattr(model, "_kp_first") and model._kp_second == 2
@@ -117,7 +117,7 @@ def test_swaps_ended_in_any_order_leave_the_mixins_still_in_force():
 def test_what_is_saved_during_the_swap_is_what_is_saved_without(tmp_path):
     model = _net()
     plain = keras.saving.serialize_keras_object(model)
-    restore = swap_class(model, Recording, ("test_step",))
+    restore = swap_class(model, Recording)
     try:
         swapped = keras.saving.serialize_keras_object(model)
         model.save(tmp_path / "during.keras")
@@ -136,11 +136,71 @@ def test_a_method_the_model_holds_itself_is_set_aside_and_put_back():
         return {}
 
     object.__setattr__(model, "test_step", own_step)
-    restore = swap_class(model, Recording, ("test_step",))
+    restore = swap_class(model, Recording)
     assert "test_step" not in vars(model)
     assert model.test_step.__func__ is Recording.test_step
     restore()
     assert vars(model)["test_step"] is own_step
+
+
+def test_the_names_set_aside_are_the_mixins_own():
+    class Saving(TrainerMixin):
+        def save(self, *args, **kwargs):
+            return super().save(*args, **kwargs)
+
+    class MoreSaving(Saving):
+        def save_weights(self, *args, **kwargs):
+            return super().save_weights(*args, **kwargs)
+
+    from keras_parallel.trainer_class import names_of
+
+    assert names_of(Recording) == ("calls", "test_step")
+    assert names_of(MoreSaving) == ("save_weights", "save")
+
+
+def test_a_swap_ended_while_another_of_its_names_is_in_force_leaves_that_one_seen():
+    class Other(TrainerMixin):
+        def test_step(self, *args):
+            Recording.calls.append("other")
+            return super().test_step(*args)
+
+    model = _net()
+
+    def own_step(*args):
+        return {}
+
+    object.__setattr__(model, "test_step", own_step)
+    first = swap_class(model, Recording)
+    second = swap_class(model, Other)
+    first()  # Other still defines test_step: the model's own stays aside.
+    assert "test_step" not in vars(model)
+    assert model.test_step.__func__ is Other.test_step
+    second()
+    assert vars(model)["test_step"] is own_step and type(model) is Net
+    assert "_kp_set_aside" not in vars(model)
+
+
+def test_made_classes_are_released_with_their_models():
+    import gc
+    import weakref
+
+    model = _net()
+    restore = swap_class(model, Recording)
+    made = weakref.ref(type(model))
+    restore()
+    assert trainer_class(Net, (Recording,)) is made()  # Reused while alive.
+    gc.collect()
+    assert made() is None
+
+    # A class's made subclasses hold it: they must not keep it alive.
+    class Plain:
+        pass
+
+    trainer_class(Plain, (Recording,))
+    plain = weakref.ref(Plain)
+    del Plain
+    gc.collect()
+    assert plain() is None
 
 
 def test_a_method_can_be_an_attribute_of_an_object_the_model_holds():
@@ -161,8 +221,8 @@ def test_a_method_can_be_an_attribute_of_an_object_the_model_holds():
 
 def test_a_mixin_in_force_twice_is_one_base_until_both_end():
     model = _net()
-    first = swap_class(model, Recording, (), _kp_state="first")
-    second = swap_class(model, Recording, (), _kp_state="second")
+    first = swap_class(model, Recording, _kp_state="first")
+    second = swap_class(model, Recording, _kp_state="second")
     assert (
         type(model).__mro__[1] is Recording and Recording not in type(model).__mro__[2:]
     )
@@ -175,7 +235,7 @@ def test_a_mixin_in_force_twice_is_one_base_until_both_end():
 
 def test_swapping_anything_but_a_model_is_refused():
     with pytest.raises(LookupError, match="__class__"):
-        swap_class(keras.layers.Dense(2), Recording, ())
+        swap_class(keras.layers.Dense(2), Recording)
 
 
 def test_a_distributed_model_shows_its_own_class_and_is_plain_once_released():
@@ -215,7 +275,7 @@ def test_a_model_pickled_during_the_swap_unpickles_as_its_own_class():
     # module and name, where the made subclass's name is the model's.
     model = _net()
     x = np.ones((2, 3), "float32")
-    restore = swap_class(model, Recording, ("test_step",))
+    restore = swap_class(model, Recording)
     try:
         assert type(model) is not Net
         pickled = pickle.dumps(model)
@@ -255,3 +315,17 @@ def test_a_plain_model_pickled_in_a_sharding_callback_run_unpickles_whole():
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6
     )
+
+
+def test_a_held_swap_is_put_in_force_once_and_ended_once():
+    from keras_parallel.trainer_class import HeldSwap
+
+    model = _net()
+    held = HeldSwap()
+    held.hold(lambda: swap_class(model, Recording))
+    held.hold(lambda: swap_class(model, Recording))  # Held: not swapped again.
+    assert len(vars(model)["_kp_swaps"]) == 1
+    held.end()
+    assert type(model) is Net
+    held.end()  # Twice: nothing more.
+    assert type(model) is Net

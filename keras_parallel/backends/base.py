@@ -11,6 +11,7 @@ import contextlib
 
 from keras_parallel import wire
 from keras_parallel.backends.checkpoint_io import CheckpointIO
+from keras_parallel.trainer_class import HeldSwap
 
 
 class Executor(abc.ABC):
@@ -45,6 +46,10 @@ class Executor(abc.ABC):
     def __init__(self, distribution):
         self.distribution = distribution
         self.checkpoint_io = self.checkpoint_io_class(self)
+        #: The saving this process's model needs for its distributed life
+        #: (`chief.chief_only_saving` on processes other than 0), held from
+        #: `apply` to `release`.
+        self.lasting_saving = HeldSwap()
 
     # ----------------------------------------------------------- devices
     @classmethod

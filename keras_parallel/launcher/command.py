@@ -55,7 +55,8 @@ def main(argv=None):
 
     On torch, `--nproc N` is `--nproc-per-node N`; with no rendezvous
     option (or `--standalone`) the run's stores and ranks listen on
-    127.0.0.1 only; every other option passes through.
+    127.0.0.1 only, and node 0's store of several nodes on `--master-addr`
+    only; every other option passes through.
 
     Args:
         argv: the arguments after `launch`.
@@ -93,7 +94,7 @@ def main(argv=None):
         _check(torchrun_args, script)
         torchrun_args = _signals_left_to_launcher(torchrun_args, script)
         torchrun_args = _through_bootstrap(torchrun_args, script)
-        torchrun_args = _on_loopback(torchrun_args, script)
+        torchrun_args = _bound_rendezvous(torchrun_args, script)
         os.environ["KERAS_BACKEND"] = "torch"
         from torch.distributed import run
         from torch.distributed.elastic.multiprocessing import SignalException
@@ -117,23 +118,27 @@ def main(argv=None):
         return code
 
 
-def _on_loopback(torchrun_args, script):
-    """`torchrun_args`, with `--standalone` replaced by a rendezvous whose
-    stores and ranks listen on 127.0.0.1 only (`loopback_rendezvous`).
-
-    torchrun's own `--standalone` listens on every interface: any host that
-    reaches this machine could join a one-node run.
+def _bound_rendezvous(torchrun_args, script):
+    """`torchrun_args`, with torchrun's own rendezvous (whose store listens
+    on every interface) replaced by one listening where the run asks only
+    (`bound_rendezvous`): `--standalone` on 127.0.0.1; the static
+    rendezvous of `--master-addr A` on A. A rendezvous the user named
+    (`--rdzv-backend`, `--rdzv-endpoint`) is left as it is.
     """
     at = torchrun_args.index(script)
     options = torchrun_args[:at]
-    if "--standalone" not in options:
-        return torchrun_args  # Several nodes: the rendezvous the user named.
-    from keras_parallel.launcher import loopback_rendezvous
+    from keras_parallel.launcher import bound_rendezvous, ports
 
-    loopback_rendezvous.register()
-    os.environ.update(loopback_rendezvous.ranks_environment())
-    options = [o for o in options if o != "--standalone"]
-    return loopback_rendezvous.options(options) + options + torchrun_args[at:]
+    if "--standalone" in options:
+        bound_rendezvous.register()
+        os.environ.update(ports.gloo_on_loopback())
+        options = [o for o in options if o != "--standalone"]
+        return bound_rendezvous.loopback_options(options) + options + torchrun_args[at:]
+    named = {"--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint"}
+    if any(o.split("=", 1)[0] in named for o in options):
+        return torchrun_args  # The user's own rendezvous.
+    bound_rendezvous.register()
+    return bound_rendezvous.static_options(options) + torchrun_args[at:]
 
 
 def _every_rank_preempted(marks, torchrun_args):

@@ -1,5 +1,6 @@
 """Ports on this node: a free one to listen on, or a refusal to start on a taken one."""
 
+import os
 import socket
 
 from keras_parallel.cluster_environments.base import bind_error
@@ -28,6 +29,26 @@ def loopback_listener():
         listener.close()
         raise
     return listener
+
+
+def gloo_on_loopback():
+    """Environment variables that keep torch's gloo sockets on loopback.
+
+    torch's gloo listens on the address this machine's host name resolves
+    to; `GLOO_SOCKET_IFNAME` names the interface instead. An interface the
+    user set is kept.
+
+    Returns:
+        `{name: value}`, empty where the user set it or no loopback
+        interface is found.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return {}
+    names = {name for _, name in socket.if_nameindex()}
+    for name in ("lo", "lo0"):  # Linux, macOS and the BSDs.
+        if name in names:
+            return {"GLOO_SOCKET_IFNAME": name}
+    return {}
 
 
 def check_local_address(address):

@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 
-from keras_parallel.launcher.ports import loopback_listener
+from keras_parallel.launcher.ports import gloo_on_loopback, loopback_listener
 
 #: Seconds the other ranks get to stop by themselves after one failed.
 FAILURE_GRACE_S = 30.0
@@ -129,6 +129,7 @@ def launch(
         "WORLD_SIZE": str(num_processes),
         "LOCAL_WORLD_SIZE": str(num_processes),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        **gloo_on_loopback(),
     }
     if collective_timeout is not None:
         env["KERAS_PARALLEL_TIMEOUT"] = str(collective_timeout)

@@ -124,6 +124,4 @@ def atomic_saving(model, executor=None):
     Returns:
         A function that undoes it.
     """
-    return swap_class(
-        model, AtomicSaving, ("save", "save_weights"), _kp_atomic_executor=executor
-    )
+    return swap_class(model, AtomicSaving, _kp_atomic_executor=executor)

@@ -27,7 +27,10 @@ from keras_parallel.backends.jax.keras_compat import (
     distribution_lib as keras_jax_distribution_lib,
 )
 from keras_parallel.backends.jax.keras_compat import trainer as keras_jax_trainer
-from keras_parallel.backends.jax.planned_distribution import PlannedDistribution
+from keras_parallel.backends.jax.planned_distribution import (
+    PlannedDistribution,
+    distribute_committed,
+)
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
@@ -42,7 +45,6 @@ class JaxExecutor(Executor):
     def __init__(self, distribution):
         super().__init__(distribution)
         self._planned = None
-        self._undo_saving = None
         self._model = None  # A weak reference to the planned model.
         #: Across processes, each process's share of the input.
         self.divided_input = None
@@ -98,8 +100,12 @@ class JaxExecutor(Executor):
         # Place every value first and assign after: a failure leaves the
         # model's variables as they were.
         for (variable, _), layout, value in zip(planned, layouts, values, strict=True):
+            # An uncommitted array (one device, or made outside any scope)
+            # is placed too: the step's outputs are committed, and a state
+            # committed after the first step would compile the step again.
             if not (
                 isinstance(value, jax.Array)
+                and value.committed
                 and value.sharding.is_equivalent_to(layout.backend_layout, value.ndim)
             ):
                 value = processes.place(value, layout.backend_layout)
@@ -110,8 +116,9 @@ class JaxExecutor(Executor):
         self._planned = PlannedDistribution(self.distribution, plan)
         self._model = weakref.ref(model)
         if processes.is_multi_process() and not self.is_chief:
-            if self._undo_saving is None:
-                self._undo_saving = chief_only_saving(model, self.checkpoint_io.saving)
+            self.lasting_saving.hold(
+                lambda: chief_only_saving(model, self.checkpoint_io.saving)
+            )
 
     @contextlib.contextmanager
     def planned_scope(self, model):
@@ -128,6 +135,11 @@ class JaxExecutor(Executor):
         for (cls, name), function in iterators.items():
             replacements.replace(cls, name, batches.refusing_sparse(function))
         lib = keras_jax_distribution_lib
+        replacements.replace(
+            lib,
+            "distribute_tensor",
+            functools.partial(distribute_committed, previous=lib.distribute_tensor),
+        )
         replacements.replace(
             lib,
             "distribute_data_input",
@@ -195,9 +207,7 @@ class JaxExecutor(Executor):
         return one_step_at_a_time
 
     def release(self, model):
-        if self._undo_saving is not None:
-            self._undo_saving()
-            self._undo_saving = None
+        self.lasting_saving.end()
         device = jax.devices()[0]
         for variable in model.variables + optimizer_and_metric_variables(model):
             if getattr(variable, "_layout", None) is None:

@@ -48,6 +48,15 @@ find(numpy_conversion, "convert_to_numpy", "keras.src.backend(.ops)")
 REPLACED = (
     Target(
         "keras.src.backend.jax.distribution_lib",
+        "distribute_tensor",
+        "a value assigned to a laid-out variable (a metric's reset) is "
+        "committed to its layout: Keras keeps an uncommitted array whose "
+        "sharding is equivalent (one device), and the step, fed committed "
+        "state since its first outputs, would compile again "
+        "(`planned_distribution.distribute_committed`)",
+    ),
+    Target(
+        "keras.src.backend.jax.distribution_lib",
         "distribute_data_input",
         "a batch the data axis does not divide is placed whole on every "
         "device, for the step to split (Keras reuses the first batch's "

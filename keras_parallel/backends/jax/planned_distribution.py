@@ -7,6 +7,28 @@ from keras_parallel.backends.jax import processes
 from keras_parallel.keras_compat import Distribution
 
 
+def distribute_committed(tensor, layout, previous):
+    """Keras's `distribute_tensor`, committing an uncommitted array.
+
+    Keras skips the placement of an array whose sharding is equivalent to
+    the layout's, and on one device an uncommitted array's is: a metric's
+    reset zeros would reach the step uncommitted while the rest of its
+    state, the step's own outputs, is committed, and the step would
+    compile once more per `fit` (3 times in all, plain Keras once).
+
+    Args:
+        tensor: the value (a `jax.Array`, NumPy array or tracer).
+        layout: a `TensorLayout` or a JAX sharding.
+        previous: Keras's `distribute_tensor`.
+    """
+    traced = isinstance(tensor, jax.core.Tracer)  # Has no `committed`.
+    if isinstance(tensor, jax.Array) and not traced and not tensor.committed:
+        sharding = getattr(layout, "backend_layout", layout)
+        if isinstance(sharding, jax.sharding.Sharding):
+            return jax.device_put(tensor, sharding)
+    return previous(tensor, layout)
+
+
 class PlannedDistribution(Distribution):
     """A `keras.distribution.Distribution` that answers from a `ShardingPlan`.
 

@@ -54,7 +54,6 @@ class TensorFlowExecutor(Executor):
         self.strategy = None
         self._devices = None
         self._applied = False
-        self._undo_saving = None
         #: Across workers, how each worker prepares only its share of the
         #: input (`divided_input`); None in one process.
         self.divided_input = None
@@ -135,8 +134,8 @@ class TensorFlowExecutor(Executor):
         tf_variables.move_variables(model, strategy)
         _attach(model, strategy)
         self._applied = True
-        if not self.is_chief and self._undo_saving is None:
-            self._undo_saving = chief_only_saving(model)
+        if not self.is_chief:
+            self.lasting_saving.hold(lambda: chief_only_saving(model))
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -202,9 +201,7 @@ class TensorFlowExecutor(Executor):
     released_after_a_callback_run = True
 
     def release(self, model):
-        if self._undo_saving is not None:
-            self._undo_saving()
-            self._undo_saving = None
+        self.lasting_saving.end()
         tf_variables.move_variables(model, None)
         _restore_state(model, (None, tf.distribute.get_strategy()))
         self._applied = False

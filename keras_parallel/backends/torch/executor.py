@@ -55,7 +55,6 @@ class TorchExecutor(Executor):
         self._ddp = None
         self._steps = None
         self._model = None
-        self._undo_saving = None
         #: Set by `check` for a ModelParallel that splits variables.
         self._mesh_runner = None
 
@@ -181,8 +180,8 @@ class TorchExecutor(Executor):
             # Planned again (fit built the optimizer) while an entry point
             # runs: the installed steps stay, with the new wrapper.
             self._steps.use_ddp(self._ddp, make_ddp)
-        if not self.is_chief and self._undo_saving is None:
-            self._undo_saving = chief_only_saving(model)
+        if not self.is_chief:
+            self.lasting_saving.hold(lambda: chief_only_saving(model))
         torch_group.on_teardown(self)
 
     def _start_ddp(self, model):
@@ -284,9 +283,7 @@ class TorchExecutor(Executor):
             return
         self._close_ddp()
         keras_ddp_off(model, off=False)
-        if self._undo_saving is not None:
-            self._undo_saving()
-            self._undo_saving = None
+        self.lasting_saving.end()
         self._model = None
 
     def _close_ddp(self):

@@ -131,11 +131,15 @@ OTHER_PRIVATE_NAMES = {
     "torch.distributed.distributed_c10d": ("_get_default_store",),
     # Where a Keras layer keeps `_torch_params` (`dtensor_layouts.retrack`).
     "torch.nn.Module": ("_modules",),
-    # The one-node launch's rendezvous keeps the ranks on its own store
-    # (`launcher/loopback_rendezvous.py`).
+    # The launch's rendezvous: the ranks of one node share its own store;
+    # node 0's static store is made on a socket of ours
+    # (`launcher/bound_rendezvous.py`).
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous": (
         "DynamicRendezvousHandler._create_tcp_store_server",
         "DynamicRendezvousHandler._store",
+    ),
+    "torch.distributed.elastic.rendezvous.static_tcp_rendezvous": (
+        "StaticTCPRendezvous._store",
     ),
 }
 

@@ -30,7 +30,7 @@ from keras_parallel.backends.torch.output_constraints import (
     OutputConstraints,
 )
 from keras_parallel.backends.torch.steps import RankSteps
-from keras_parallel.backends.torch.trainer import MESH_NAMES, MeshTrainer
+from keras_parallel.backends.torch.trainer import MeshTrainer
 from keras_parallel.replacements import replaced
 
 
@@ -44,7 +44,7 @@ class MeshSteps(RankSteps):
 
     reduces_gradients = False
     divides_input = False
-    trainer, trainer_names = MeshTrainer, MESH_NAMES
+    trainer = MeshTrainer
 
     def __init__(self, model, mesh, plan, rank):
         super().__init__(model, None, mesh.size(), rank)

@@ -15,7 +15,7 @@ from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.layout_keys import reference_of
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
-from keras_parallel.trainer_class import TrainerMixin, swap_class
+from keras_parallel.trainer_class import HeldSwap, TrainerMixin, swap_class
 
 
 def runs_on_mesh(distribution):
@@ -72,7 +72,9 @@ class MeshRunner:
         self.mesh = None
         self.steps = None
         self.model = None
-        self._undo_saving = None
+        #: Gathered (chief) or chief-only saving, for the model's
+        #: distributed life.
+        self.lasting_saving = HeldSwap()
         #: Each placed variable's `numpy` and `assign` (`_make_usable`).
         self._methods = Replacements()
 
@@ -113,19 +115,14 @@ class MeshRunner:
             # Planned again (fit built the optimizer) while an entry point
             # may run: the installed steps take the new plan.
             self.steps.plan = plan
-        if self._undo_saving is None:
-            # For the model's whole distributed life, not only while an
-            # entry point runs: after `fit` with a `ShardingCallback` (whose
-            # own saving ends with the run), the variables are still split,
-            # and a save is still a collective.
-            if self.executor.is_chief:
-                self._undo_saving = gathered_saving(
-                    model, self.executor.checkpoint_io.saving
-                )
-            else:
-                self._undo_saving = chief_only_saving(
-                    model, self.executor.checkpoint_io.saving
-                )
+        # For the model's whole distributed life, not only while an entry
+        # point runs: after `fit` with a `ShardingCallback` (whose own
+        # saving ends with the run), the variables are still split, and a
+        # save is still a collective.
+        swap = gathered_saving if self.executor.is_chief else chief_only_saving
+        self.lasting_saving.hold(
+            lambda: swap(model, self.executor.checkpoint_io.saving)
+        )
         torch_group.on_teardown(self)
 
     def _make_usable(self, variable):
@@ -168,9 +165,7 @@ class MeshRunner:
             dtensor_layouts.unplace(variable)
         dtensor_layouts.retrack(model)
         self._methods.restore()
-        if self._undo_saving is not None:
-            self._undo_saving()
-            self._undo_saving = None
+        self.lasting_saving.end()
         self.model = None
 
     def close(self):
@@ -286,6 +281,4 @@ def gathered_saving(model, saving):
     Returns:
         A function that undoes it.
     """
-    return swap_class(
-        model, GatheredSaving, ("save", "save_weights"), _kp_gathered_saving=saving
-    )
+    return swap_class(model, GatheredSaving, _kp_gathered_saving=saving)

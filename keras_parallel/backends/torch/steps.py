@@ -26,7 +26,7 @@ from keras_parallel.backends.torch.random_stream import RankRandomStream
 from keras_parallel.backends.torch.same_data import SameDataCheck
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.backends.torch.step_metrics import StepMetrics
-from keras_parallel.backends.torch.trainer import NAMES, TorchTrainer
+from keras_parallel.backends.torch.trainer import TorchTrainer
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
 from keras_parallel.trainer_class import swap_class
@@ -45,8 +45,8 @@ class RankSteps(StepMetrics):
     #: Whether gradients are averaged here (DDP or `GradientMean`).
     reduces_gradients = True
 
-    #: The model's class puts this first while it runs, with its methods' names.
-    trainer, trainer_names = TorchTrainer, NAMES
+    #: The model's class puts this first while it runs.
+    trainer = TorchTrainer
 
     def __init__(self, model, ddp, world_size, rank, make_ddp=None):
         self.model = model
@@ -95,9 +95,7 @@ class RankSteps(StepMetrics):
         self._get_metrics_result_or_logs = self._epoch_logs(
             model._get_metrics_result_or_logs
         )
-        self._restore_class = swap_class(
-            model, self.trainer, self.trainer_names, _kp_steps=self
-        )
+        self._restore_class = swap_class(model, self.trainer, _kp_steps=self)
         self._replacements.replace(
             TorchEpochIterator,
             "__iter__",

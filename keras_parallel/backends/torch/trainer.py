@@ -4,19 +4,7 @@ Each of its methods is the installed `RankSteps`' attribute of that name
 (`steps.py`), which runs the model's own method for this rank's rows.
 """
 
-from keras_parallel.backends.torch.keras_compat import TORCH_COMPILE_CHOICES
 from keras_parallel.trainer_class import TrainerMixin, attribute_of
-
-#: The methods `TorchTrainer` defines, set aside on the model while it runs.
-NAMES = (
-    "train_step",
-    "test_step",
-    "predict_step",
-    "get_metrics_result",
-    "_get_metrics_result_or_logs",
-    "call",
-    *TORCH_COMPILE_CHOICES,
-)
 
 
 class TorchTrainer(TrainerMixin):
@@ -41,10 +29,6 @@ class TorchTrainer(TrainerMixin):
 
     #: Keras 3.16's name for the same question.
     _use_torch_compile = _should_torch_compile
-
-
-#: The methods `MeshTrainer` defines.
-MESH_NAMES = (*NAMES, "_get_regularization_losses")
 
 
 class MeshTrainer(TorchTrainer):
