@@ -223,22 +223,19 @@ def _run_cli(tmp_path, *extra, source=SCRIPT, timeout_s=60, launch_options=None)
     return run_in_session(command, env, timeout=180)
 
 
-def test_cli_runs_a_script_in_n_processes(tmp_path):
-    result = _run_cli(tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
-    assert lines[0] == lines[1] and lines[0].startswith("2 ")
-
-
 def test_two_nodes_of_one_process_train_as_one_node_of_two(tmp_path):
-    # Two launcher invocations and one rendezvous stand in for two hosts.
+    # One node of 2 processes first (the CLI runs a script in n processes);
+    # then two launcher invocations and one rendezvous stand in for two hosts.
     import threading
 
     from keras_parallel.launcher import free_port
 
     one_node = tmp_path / "one"
     one_node.mkdir()
-    assert _run_cli(one_node).returncode == 0
+    result = _run_cli(one_node)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [(one_node / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0].startswith("2 ")
     port = str(free_port())
     results = {}
 
