@@ -188,7 +188,9 @@ def main(argv=None):
     run_dir.mkdir(exist_ok=True)
     (run_dir / "conftest.py").write_text(CONFTEST)
     files = [str(folder / f) for f in args.files if (folder / f).is_file()]
-    env = dict(os.environ, KERAS_OWN_DOOR=args.door, PYTHONPATH=str(run_dir))
+    # The door's plugin first; a PYTHONPATH given (another checkout) kept.
+    path = os.pathsep.join(p for p in (str(run_dir), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, KERAS_OWN_DOOR=args.door, PYTHONPATH=path)
     command = [sys.executable, "-m", "pytest"]
     if args.nproc > 1:  # torch: every rank runs the same tests, in order.
         command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
