@@ -19,6 +19,7 @@ def pydataset_batches(adapter, world_size, rank):
     dataset = adapter.py_dataset
     order = kinds.epoch_order(adapter, dataset.num_batches)
     made = None
+    handout = _handout(world_size, rank)
     for k in range(len(order)):
         if k % world_size == 0:
             # The next `W` batches: each rank makes one, then `W` scatters.
@@ -27,7 +28,7 @@ def pydataset_batches(adapter, world_size, rank):
             if position < len(order):
                 made = adapter._standardize_batch(dataset[order[position]])
         owner = k % world_size
-        yield _scattered(made if owner == rank else None, owner, world_size, rank)
+        yield _scattered(made if owner == rank else None, owner, handout)
 
 
 def generator_batches(numpy_batches, world_size, rank):
@@ -36,21 +37,28 @@ def generator_batches(numpy_batches, world_size, rank):
     Args:
         numpy_batches: Keras's NumPy iterator of it (read on rank 0 only).
     """
+    handout = _handout(world_size, rank)
     while True:
         batch = None
         if rank == 0:
             batch = next(numpy_batches, transport.END)
-        shared = _scattered(batch, 0, world_size, rank)
+        shared = _scattered(batch, 0, handout)
         if shared is None:
             return
         yield shared
 
 
-def _scattered(batch, owner, world_size, rank):
+def _handout(world_size, rank):
+    # The ranks step together: a collective scatter, no key to name.
+    return transport.Handout(rank, world_size, scatter_bytes=scatter_bytes, who="rank")
+
+
+def _scattered(batch, owner, handout):
     """`(global rows, rows of rank)` of the owner's `batch` on every rank;
     None at the end of the source."""
     pieces = None
-    if rank == owner:
+    world_size = handout.processes
+    if handout.process == owner:
         if transport.is_end(batch):
             pieces = [batch] * world_size
         else:
@@ -60,10 +68,6 @@ def _scattered(batch, owner, world_size, rank):
                 start, stop, whole = split_rows(rows, world_size, r)
                 part = batch if whole else slice_rows(batch, rows, start, stop)
                 pieces.append((rows, part))
-    # The ranks step together: a collective scatter, no key to name.
-    handout = transport.Handout(
-        rank, world_size, scatter_bytes=scatter_bytes, who="rank"
-    )
     received = handout.give("a batch's rows", owner, pieces)
     if transport.is_end(received):
         return None
