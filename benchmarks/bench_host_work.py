@@ -25,9 +25,22 @@ JAX (8 simulated CPU devices, one process):
 - "loop" (the anchor): the JAX guide's `jax.jit` step over a batch split
   on the devices, reading the loss every step;
 - "keras_one": plain Keras `fit` (no distribution, no keras_parallel);
-- "keras_dp": Keras's own `set_distribution(DataParallel())` and `fit`;
+- "keras_dp_logs": Keras's own `set_distribution(DataParallel())` and
+  `fit`, with the per-batch logs callback;
 - "fit": `fit` of a `DistributedModel`, `verbose=0`;
 - "fit_logs": with the per-batch logs callback.
+
+Keras's own `DataParallel` runs with the logs callback only: with none, its
+steps are dispatched ahead of each other, and XLA:CPU's 8 device threads
+can then wait on each other's collectives forever (seen in this benchmark:
+"Expected 8 threads to join the rendezvous", then an abort). keras_parallel
+waits for each step on CPU (`one_step_at_a_time` in the JAX executor).
+
+On JAX two numbers per way: wall milliseconds per step, and the host's own
+work, the CPU milliseconds per step of the thread that runs `fit` (or the
+loop): a thread waiting for the devices spends none, so this is the
+Python and dispatch work per step, apart from what the devices compute
+(XLA:CPU computes on threads of its own).
 
 Usage:
 
@@ -97,16 +110,23 @@ class _ReadsLogs:
 
 def fit_seconds(model, x, y, callbacks=(), batch=BATCH, epochs=2):
     """The last of `epochs` epochs, timed (`benchmarks/gpu_check.py` too)."""
+    return fit_times(model, x, y, callbacks, batch, epochs)[0]
+
+
+def fit_times(model, x, y, callbacks=(), batch=BATCH, epochs=2):
+    """`(wall seconds, CPU seconds of fit's thread)` of the last of `epochs`."""
     import keras
 
     times = []
 
     class Timer(keras.callbacks.Callback):
+        # Keras calls the epoch hooks in the thread that runs `fit`.
         def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+            self.start = (time.perf_counter(), time.thread_time())
 
         def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
+            wall, cpu = self.start
+            times.append((time.perf_counter() - wall, time.thread_time() - cpu))
 
     model.fit(
         x,
@@ -184,13 +204,14 @@ def _torch_round(steps):
 
 
 # -------------------------------------------------------------------- JAX
-def _jax_loop_seconds(x, y):
-    return jax_loop_seconds(_model(distributed=False), x, y, BATCH)
+def _jax_loop_times(x, y):
+    return jax_loop_seconds(_model(distributed=False), x, y, BATCH, cpu=True)
 
 
-def jax_loop_seconds(model, x, y, batch):
+def jax_loop_seconds(model, x, y, batch, cpu=False):
     """The JAX guide's `jax.jit` loop over `model`, 2 epochs of batches
-    split on the devices, the loss read every step: the second's seconds.
+    split on the devices, the loss read every step: the second's seconds,
+    and with `cpu`, `(seconds, CPU seconds of this thread)`.
     (`benchmarks/gpu_check.py` runs it too.)"""
     import jax
     import keras
@@ -212,31 +233,35 @@ def jax_loop_seconds(model, x, y, batch):
         value, grads = jax.value_and_grad(loss)(trainable)
         return value, [v - 0.01 * g for v, g in zip(trainable, grads, strict=True)]
 
-    seconds = 0.0
+    seconds = cpu_seconds = 0.0
     for _epoch in range(2):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         for s in range(0, len(x), batch):
             inputs = jax.device_put(x[s : s + batch], split)
             targets = jax.device_put(y[s : s + batch], split)
             value, trainable = step(trainable, fixed, inputs, targets)
             float(value)
         seconds = time.perf_counter() - start
-    return seconds
+        cpu_seconds = time.thread_time() - cpu_start
+    return (seconds, cpu_seconds) if cpu else seconds
 
 
 def _jax_round(steps):
+    """`{way: (wall seconds, CPU seconds)}`, the ways interleaved."""
     import keras
 
     x, y = _data(steps)
-    out = {"loop": _jax_loop_seconds(x, y)}
-    out["keras_one"] = fit_seconds(_model(distributed=False), x, y)
+    out = {"loop": _jax_loop_times(x, y)}
+    out["keras_one"] = fit_times(_model(distributed=False), x, y)
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     try:
-        out["keras_dp"] = fit_seconds(_model(distributed=False), x, y)
+        out["keras_dp_logs"] = fit_times(
+            _model(distributed=False), x, y, [_ReadsLogs()]
+        )
     finally:
         keras.distribution.set_distribution(None)
-    out["fit"] = fit_seconds(_model(distributed=True), x, y)
-    out["fit_logs"] = fit_seconds(_model(distributed=True), x, y, [_ReadsLogs()])
+    out["fit"] = fit_times(_model(distributed=True), x, y)
+    out["fit_logs"] = fit_times(_model(distributed=True), x, y, [_ReadsLogs()])
     return out
 
 
@@ -248,14 +273,31 @@ def main():
     backend = os.environ["KERAS_BACKEND"]
     run_round = _jax_round if backend == "jax" else _torch_round
     rounds = [run_round(args.steps) for _ in range(args.rounds)]
-    ms = {
-        way: statistics.median(r[way] for r in rounds) / args.steps * 1000
-        for way in rounds[0]
-    }
-    report = {
-        way: {"ms/step": round(value, 3), "ratio to loop": round(value / ms["loop"], 3)}
-        for way, value in ms.items()
-    }
+
+    def per_step(way, index=None):
+        values = [r[way] if index is None else r[way][index] for r in rounds]
+        return statistics.median(values) / args.steps * 1000
+
+    report = {}
+    for way in rounds[0]:
+        if backend == "jax":
+            wall, cpu = per_step(way, 0), per_step(way, 1)
+            anchor, cpu_anchor = per_step("loop", 0), per_step("loop", 1)
+            report[way] = {
+                "ms/step": round(wall, 3),
+                "ratio to loop": round(wall / anchor, 3),
+                "host CPU ms/step": round(cpu, 3),
+                "host CPU ratio to loop": round(cpu / cpu_anchor, 3),
+                "host CPU ms/step, each round": [
+                    round(r[way][1] / args.steps * 1000, 3) for r in rounds
+                ],
+            }
+        else:
+            value = per_step(way)
+            report[way] = {
+                "ms/step": round(value, 3),
+                "ratio to loop": round(value / per_step("loop"), 3),
+            }
     print(backend, json.dumps(report, indent=1))
 
 

@@ -34,9 +34,9 @@ _CONTROL = {
 
 
 def _tracer():
-    """`(profile function, events, visited modules)` for `sys.setprofile`."""
+    """`(profile function, events, {visited module: its functions})` for `sys.setprofile`."""
     events = []
-    visited = set()
+    visited = {}
 
     def side(frame):
         while frame is not None:
@@ -54,7 +54,7 @@ def _tracer():
         callee = side(frame)
         caller = side(frame.f_back)
         if callee[0] == "keras_parallel":
-            visited.add(callee[1])
+            visited.setdefault(callee[1], set()).add(callee[2])
         if callee[0] and caller[0] and callee[0] != caller[0]:
             events.append((caller, callee))
 
@@ -84,6 +84,8 @@ def _trace_steps():
     import numpy as np
     import torch
 
+    from keras_parallel.run import Run
+
     model = _model()
     rows = np.random.default_rng(0)  # The same data on every rank.
     x = rows.random((256, 8), "float32")
@@ -104,19 +106,24 @@ def _trace_steps():
         model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[OneStep()])
     finally:
         sys.setprofile(None)
-    in_fit = (events, sorted(visited))
+    in_fit = (events, _named(visited))
 
     profile, events, visited = _tracer()
     batch = (torch.as_tensor(x[:64]), torch.as_tensor(y[:64]))
-    with model._kp_binding.running(model):
+    with Run(model._kp_binding, model):
         step = model.train_step  # The distributed step, installed in scope.
         sys.setprofile(profile)
         try:
             step(batch)
         finally:
             sys.setprofile(None)
-    traced = {"bare step": (events, sorted(visited)), "step inside fit": in_fit}
+    traced = {"bare step": (events, _named(visited)), "step inside fit": in_fit}
     return traced
+
+
+def _named(visited):
+    """`[(module, "its functions called, sorted")]`, by module."""
+    return [(m, ", ".join(sorted(f))) for m, f in sorted(visited.items())]
 
 
 def _is_control(caller, callee):
@@ -138,8 +145,8 @@ def main():
         for (_, caller_module, caller), (_, module, function) in control:
             print(f"    {caller_module}.{caller} -> {module}.{function}")
         print(f"  keras_parallel modules visited: {len(modules)}")
-        for module in modules:
-            print(f"    {module}")
+        for module, functions in modules:
+            print(f"    {module}: {functions}")
 
 
 if __name__ == "__main__":

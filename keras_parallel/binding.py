@@ -4,19 +4,21 @@
 hold a `Binding`, so neither door holds logic the other lacks.
 """
 
-import contextlib
-
-from keras_parallel import callback_lists, report
+from keras_parallel import report
 from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.keras_compat import print_msg
-from keras_parallel.persistence.backup import ExactBackups
-from keras_parallel.persistence.preemption import PreemptionWatch
 from keras_parallel.plan import check_distribution, variables_signature
+from keras_parallel.trainer_class import HeldSwap
 
 
 class Binding:
     """Applies one distribution to one model, for either door.
+
+    The binding lasts as long as the model is distributed: it holds the plan
+    and the saving the plan needs (from `apply_if_changed` to `release`).
+    What is in force while an entry point runs is a `run.Run`'s, the one in
+    `run` while it runs.
 
     Args:
         distribution: a `keras.distribution.Distribution`.
@@ -34,11 +36,11 @@ class Binding:
         self.plan = None
         #: Counts the plans applied: a step compiled under an older one is remade.
         self.version = 0
+        #: The `run.Run` in force, while an entry point runs.
+        self.run = None
         self._signature = None
-        self._depth = 0
-        self._scope = None
-        #: The executor's `planned_scope`, while an entry point runs under a plan.
-        self._planned_scope = None
+        #: The saving the applied plan needs (`Executor.saving_swap`).
+        self._saving = HeldSwap()
         self._announced = False
         self._hinted = False
 
@@ -48,6 +50,8 @@ class Binding:
 
     def prepare(self, model):
         """Plans and applies the distribution if the model's variables changed.
+
+        Inside a run, through the run: the rest of it runs under the plan.
 
         Args:
             model: the `keras.Model`; nothing happens until it is built.
@@ -59,22 +63,27 @@ class Binding:
             ShardingError: the distribution does not fit the model. Nothing
                 was moved.
         """
+        if self.run is not None and self.run.model is model:
+            return self.run.plan()
+        return self.apply_if_changed(model)
+
+    def apply_if_changed(self, model):
+        """Applies a new plan if the model's variables changed (`prepare`,
+        outside a run's scopes)."""
         if not model.built:
             return False
         signature = variables_signature(model)
         if signature == self._signature:
             return False
         plan = self.resolve(model)
-        # A plan applied mid-run (an unbuilt model's first `fit` builds it
-        # inside Keras's trainer) must be in force for the rest of the run.
-        self._leave_planned_scope()
         self.executor.apply(model, plan)
         self.plan = plan
         self._signature = signature
         self.version += 1
+        swap = self.executor.saving_swap(model)
+        if swap is not None:
+            self._saving.hold(swap)
         self._hint_one_device()
-        if self.active:
-            self._enter_planned_scope(model)
         return True
 
     def _hint_one_device(self):
@@ -86,20 +95,6 @@ class Binding:
         if hint is not None:
             self._hinted = True
             print_msg(hint)
-
-    def _enter_planned_scope(self, model):
-        scope = contextlib.ExitStack()
-        scope.enter_context(self.executor.planned_scope(model))
-        self._planned_scope = scope
-
-    def _leave_planned_scope(self, error=None):
-        scope, self._planned_scope = self._planned_scope, None
-        if scope is None:
-            return
-        if error is None:
-            scope.close()
-        else:
-            scope.__exit__(type(error), error, error.__traceback__)
 
     def wrap_steps(self, model):
         """Lets the executor wrap the step functions Keras made, once each."""
@@ -123,7 +118,7 @@ class Binding:
         """
 
         def step(*args, **kwargs):
-            if self.plan is None and self.active and not is_built(model):
+            if self.plan is None and self.run is not None and not is_built(model):
                 inputs = self.executor.step_inputs(kind, args)
                 if inputs is not None:
                     build_from_inputs(model, inputs)
@@ -144,67 +139,11 @@ class Binding:
         self._announced = True
         print_fn(report.format_plan(self.plan, model.name, self.executor))
 
-    def enter(self, model):
-        """Enters the executor's scope, once for nested entry points."""
-        self._depth += 1
-        if self._depth == 1:
-            self._scope = contextlib.ExitStack()
-            try:
-                # A plan applied inside this run finds the run's callbacks.
-                self._scope.callback(callback_lists.track_lists())
-                self._scope.enter_context(self.executor.scope(model))
-                backups = ExactBackups(self.executor)
-                backups.install()
-                self._scope.callback(backups.uninstall)
-                self._scope.enter_context(PreemptionWatch(self.executor))
-                if self.plan is not None:
-                    self._enter_planned_scope(model)
-            except BaseException as error:
-                self._depth = 0
-                scope, self._scope = self._scope, None
-                scope.__exit__(type(error), error, error.__traceback__)
-                raise
-
-    def exit(self, model, error=None):
-        """Leaves what `enter` entered, when the outermost entry point ends.
-
-        Args:
-            model: the model.
-            error: the exception the entry point raises, if any: the scope then
-                runs no collective, which the other processes may never reach.
-        """
-        if self._depth == 0:
-            return
-        self._depth -= 1
-        if self._depth == 0:
-            scope, self._scope = self._scope, None
-            try:
-                self._leave_planned_scope(error)
-            finally:
-                if error is None:
-                    scope.close()
-                else:
-                    scope.__exit__(type(error), error, error.__traceback__)
-
-    @property
-    def active(self):
-        return self._depth > 0
-
-    @contextlib.contextmanager
-    def running(self, model):
-        """`enter` ... `exit` as a context manager."""
-        self.enter(model)
-        try:
-            yield
-        except BaseException as error:
-            self.exit(model, error)
-            raise
-        self.exit(model)
-
     def release(self, model):
-        """Returns the model to one device."""
-        while self._depth:
-            self.exit(model)
+        """Returns the model to one device (ending a run left in force)."""
+        if self.run is not None:
+            self.run.close()
+        self._saving.end()
         if self.plan is not None:
             self.executor.release(model)
         self.plan = None

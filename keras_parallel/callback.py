@@ -6,7 +6,7 @@ from keras_parallel import callback_lists
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
 from keras_parallel.persistence import atomic
-from keras_parallel.trainer_class import HeldSwap
+from keras_parallel.run import Run
 
 _STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
 
@@ -52,8 +52,6 @@ class ShardingCallback(callback_lists.PhaseCallback):
         super().__init__(on_begin=self._begin, on_end=self._end)
         self.binding = Binding(distribution)
         self._phase = None
-        #: `ModelCheckpoint`'s files whole, for this callback's run.
-        self._saving = HeldSwap()
         #: The model's own step functions, put back when the run ends.
         self._plain_steps = None
         #: The steps compiled for the plan, kept for the next run.
@@ -68,7 +66,7 @@ class ShardingCallback(callback_lists.PhaseCallback):
         return self.binding.distribution
 
     def set_model(self, model):
-        if self.binding.active:
+        if self.binding.run is not None:
             # A run that raised left its scope entered: leave it first.
             self.close()
         _check_model(model)
@@ -79,15 +77,20 @@ class ShardingCallback(callback_lists.PhaseCallback):
         self._plain_steps = {
             name: getattr(model, name, None) for name in _STEP_FUNCTIONS
         }
-        self.binding.prepare(model)
+        executor = self.binding.executor
+        # The model is built: the run plans it as it begins. Its
+        # `ModelCheckpoint`'s files appear whole, as a DistributedModel's do.
+        run = Run(
+            self.binding,
+            model,
+            swaps=[lambda: atomic.atomic_saving(model, executor)],
+        )
+        run.__enter__()
         # Keras makes its step functions next; those of this plan are
         # reused, others are made for it.
         reuse = self._steps_version == self.binding.version
         for name in _STEP_FUNCTIONS:
             setattr(model, name, self._distributed_steps.get(name) if reuse else None)
-        self.binding.enter(model)
-        # `ModelCheckpoint`'s files appear whole, as a DistributedModel's do.
-        self._saving.hold(lambda: atomic.atomic_saving(model, self.binding.executor))
         self._end_runs_after_every_callback()
 
     def _end_runs_after_every_callback(self):
@@ -118,9 +121,8 @@ class ShardingCallback(callback_lists.PhaseCallback):
         if self._remove_handler is not None:
             self._remove_handler()
             self._remove_handler = None
-        while self.binding.active:
-            self.binding.exit(self.model)
-        self._saving.end()
+        if self.binding.run is not None:
+            self.binding.run.close()
         if self._plain_steps is not None:
             model, plain, self._plain_steps = self.model, self._plain_steps, None
             if self.binding.executor.released_after_a_callback_run:

@@ -2,9 +2,12 @@
 
 import os
 
+import keras
+
 from keras_parallel.backends import executor_class
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
+from keras_parallel.run import Run
 
 _ENTRY_POINTS = (
     "fit",
@@ -67,7 +70,7 @@ class DistributedModel:
             # A built model is planned now, so a bad layout fails at compile;
             # an unbuilt one is planned once fit has built it.
             binding.prepare(self)
-            self._kp_binding = binding
+            _set_untracked(self, "_kp_binding", binding)
 
     def __reduce__(self):
         # Keras pickles a model as its saved file and a function that loads
@@ -222,18 +225,6 @@ class DistributedModel:
             binding.executor.checkpoint_io.host_value(v.value) for v in self.weights
         ]
 
-    def __setattr__(self, name, value):
-        # Keras's JAX `fit` stores its step state in `_jax_state` after every
-        # step, and Layer.__setattr__ walks every value it is given for
-        # variables to track: for the guide's convnet on 8 CPU devices, 3 of
-        # the 4 host-side function calls of `fit` and several ms of host time
-        # per step in a profile. Those are plain arrays, and our own `_kp_*`
-        # attributes hold no Keras objects: nothing to track.
-        if name == "_jax_state" or name.startswith("_kp_"):
-            object.__setattr__(self, name, value)
-            return
-        super().__setattr__(name, value)
-
     @property
     def distribution(self):
         """The distribution in effect, or `None` for one device."""
@@ -244,21 +235,21 @@ class DistributedModel:
         binding = getattr(self, "_kp_binding", None)
         if binding is not None:
             binding.release(self)
-            self._kp_binding = None
-            self._kp_made = {}
+            _set_untracked(self, "_kp_binding", None)
+            _set_untracked(self, "_kp_made", {})
 
     def _kp_make(self, kind, make, force):
-        # Keras makes its step functions after building the model, optimizer
-        # and metrics: the first moment every variable exists.
+        # The run planned the model before Keras makes its step (`run.Run`):
+        # a step made under an older plan is made again.
         binding = getattr(self, "_kp_binding", None)
         if binding is not None:
-            binding.prepare(self)
             if kind == "train" and getattr(self, "_kp_announce", False):
-                self._kp_announce = False
+                _set_untracked(self, "_kp_announce", False)
                 binding.announce(self, print_msg)
             made = getattr(self, "_kp_made", None)
             if made is None:
-                made = self._kp_made = {}
+                made = {}
+                _set_untracked(self, "_kp_made", made)
             if made.get(kind) != binding.version:
                 force = True
                 made[kind] = binding.version
@@ -280,9 +271,26 @@ class DistributedModel:
         return self._kp_make("predict", super().make_predict_function, force)
 
 
+def _set_untracked(model, name, value):
+    """Sets `model.<name>` past Keras's and torch's attribute tracking: our
+    own `_kp_*` attributes hold no Keras object to track."""
+    object.__setattr__(model, name, value)
+
+
+def _jax_setattr(self, name, value):
+    # Keras's JAX `fit` stores its step state in `_jax_state` after every
+    # step, and Layer.__setattr__ walks every value it is given for
+    # variables to track: for the guide's convnet on 8 CPU devices, 3 of the
+    # 4 host-side function calls of `fit` and several ms of host time per
+    # step in a profile. Those are plain arrays: nothing to track.
+    if name == "_jax_state":
+        object.__setattr__(self, name, value)
+        return
+    super(DistributedModel, self).__setattr__(name, value)
+
+
 def _unpickled(cls, load, args):
     """A pickled `DistributedModel`: Keras's `load(*args)` of class `cls`."""
-    import keras
 
     with keras.saving.custom_object_scope({cls.__name__: cls}):
         return getattr(cls, load)(*args)
@@ -304,7 +312,6 @@ def _check_base_order(cls):
     With `keras.Model` first, Keras's own `compile` runs instead of ours and
     fails later with a bare "unexpected keyword argument 'distribution'".
     """
-    import keras
 
     mro = cls.__mro__
     if keras.Model in mro and mro.index(keras.Model) < mro.index(DistributedModel):
@@ -322,14 +329,16 @@ def _entry_point(name):
     def method(self, *args, **kwargs):
         binding = getattr(self, "_kp_binding", None)
         call = getattr(super(DistributedModel, self), name)
-        if binding is None:
+        if binding is None or binding.run is not None:
+            # One device, or an entry point inside a run (the evaluation
+            # inside `fit`): the run in force holds.
             return call(*args, **kwargs)
         if name == "fit":
             # fit(x, y, batch_size, epochs, verbose, ...): the plan is printed
             # once the step is made, when every variable exists.
             verbose = kwargs.get("verbose", args[4] if len(args) > 4 else "auto")
-            self._kp_announce = verbose != 0
-        with binding.running(self):
+            _set_untracked(self, "_kp_announce", verbose != 0)
+        with Run(binding, self, build=_built_from_batch(self, name, args, kwargs)):
             return call(*args, **kwargs)
 
     method.__name__ = name
@@ -341,5 +350,26 @@ def _entry_point(name):
     return method
 
 
+def _built_from_batch(model, name, args, kwargs):
+    """For a `*_on_batch` call, a function that builds what is unbuilt of
+    `model` from its batch, as Keras's own call does first; else None.
+
+    No callback list marks the moment Keras has built the model in these
+    calls: built here first, the run plans it before Keras makes its step.
+    """
+    if not name.endswith("_on_batch"):
+        return None
+    names = ("x", "y", "sample_weight")
+    values = dict(zip(names, args, strict=False))
+    batch = tuple(kwargs.get(n, values.get(n)) for n in names)
+    executor = model._kp_binding.executor
+    kind = name.partition("_")[0]
+    return lambda: executor.build_from_batch(model, kind, batch)
+
+
 for _name in _ENTRY_POINTS:
     setattr(DistributedModel, _name, _entry_point(_name))
+if keras.backend.backend() == "jax":
+    # JAX alone: elsewhere every attribute set on a model (Keras sets two
+    # as each layer is called) would pass through one more function.
+    DistributedModel.__setattr__ = _jax_setattr

@@ -122,8 +122,10 @@ def sharding_ops(model, x, y):
     """The sharding constraints in the lowered JAX train step, as text lines."""
     import jax
 
+    from keras_parallel.run import Run
+
     binding = model._kp_binding
-    with binding.running(model):
+    with Run(binding, model):
         state = model._get_jax_state(
             trainable_variables=True,
             non_trainable_variables=True,

@@ -168,7 +168,7 @@ def test_an_error_inside_fit_reaches_the_executor_scope_as_an_error(monkeypatch)
     assert len(seen) == 1 and isinstance(seen[0], ValueError)
     model.fit(x, y, batch_size=64, verbose=0)
     assert seen[1] == "ended normally"
-    assert not model._kp_binding.active
+    assert model._kp_binding.run is None
 
 
 @jax_only
@@ -190,5 +190,5 @@ def test_a_plan_scope_that_fails_to_enter_leaves_nothing_installed(monkeypatch):
         model.fit(x, y, batch_size=64, verbose=0)
     # The entry point's own scope (exact backups) was left as well.
     assert vars(EpochIterator)["__init__"] is keras_init
-    assert not model._kp_binding.active
+    assert model._kp_binding.run is None
     assert keras.distribution.distribution() is None

@@ -41,8 +41,8 @@ LAYERS = (
     ("backends", "cluster_join"),
     # What reads and writes files; the distribution helper; the plan's table.
     ("persistence", "distribution", "report"),
-    # A distribution bound to a model.
-    ("binding",),
+    # A distribution bound to a model; what is in force around one entry point.
+    ("binding", "run"),
     # The public doors.
     ("model", "callback"),
     # Starting processes.

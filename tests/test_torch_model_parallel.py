@@ -509,7 +509,7 @@ def test_layer_outputs_without_a_key_finish_sums_and_split_the_batch_on_its_axis
     from keras_parallel.backends.torch.output_constraints import OutputConstraints
 
     def placed(placements, batch_dim=0, whole=False):
-        steps = SimpleNamespace(batch_dim=batch_dim, _whole=whole)
+        steps = SimpleNamespace(batch_dim=batch_dim, whole=whole)
         leaf = SimpleNamespace(placements=placements)
         return OutputConstraints(steps)._default_placements(leaf)
 

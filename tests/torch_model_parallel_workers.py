@@ -380,12 +380,15 @@ def _d2_output_placements(model):
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
+    from keras_parallel.backends.torch.step_metrics import StepRows
+    from keras_parallel.run import Run
+
     binding = model._kp_binding
     steps = binding.executor._steps
     if not hasattr(steps, "mesh"):
         return None  # A mesh (4, 1) runs on DDP: no DTensors.
-    with binding.running(model):
-        steps._whole = False
+    with Run(binding, model):
+        steps.step_rows = StepRows(4, 0, 4, False)
         hidden = torch.ones((4, 32 // steps.mesh.size(1)))
         split = DTensor.from_local(hidden, steps.mesh, (Shard(0), Shard(1)))
         return [str(p) for p in model.get_layer("d2")(split).placements]

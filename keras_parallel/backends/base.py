@@ -11,7 +11,6 @@ import contextlib
 
 from keras_parallel import wire
 from keras_parallel.backends.checkpoint_io import CheckpointIO
-from keras_parallel.trainer_class import HeldSwap
 
 
 class Executor(abc.ABC):
@@ -46,10 +45,6 @@ class Executor(abc.ABC):
     def __init__(self, distribution):
         self.distribution = distribution
         self.checkpoint_io = self.checkpoint_io_class(self)
-        #: The saving this process's model needs for its distributed life
-        #: (`chief.chief_only_saving` on processes other than 0), held from
-        #: `apply` to `release`.
-        self.lasting_saving = HeldSwap()
 
     # ----------------------------------------------------------- devices
     @classmethod
@@ -147,6 +142,40 @@ class Executor(abc.ABC):
         default does nothing.
         """
         yield
+
+    def saving_swap(self, model):
+        """The saving this process's model needs for its distributed life.
+
+        The binding holds it from `apply` to `release`, whichever door
+        applied the plan: on processes other than 0, `model.save` writes
+        nothing (`chief.chief_only_saving`); under torch `ModelParallel`,
+        process 0 gathers the split variables first.
+
+        Args:
+            model: the model `apply` was just given.
+
+        Returns:
+            A function that puts the swap in force and returns the function
+            that ends it, or None (the default: nothing to swap).
+        """
+        return None
+
+    def build_from_batch(self, model, kind, batch):
+        """Builds what is unbuilt of `model` from `batch`, as Keras's
+        `*_on_batch` calls do first (`run.Run` then plans it).
+
+        The default: Keras's own symbolic build for `train_on_batch` and
+        `test_on_batch`; nothing for `predict_on_batch`, whose model Keras
+        builds inside the first step on torch and TensorFlow (planned there,
+        `step_inputs`).
+
+        Args:
+            model: the compiled model.
+            kind: `"train"`, `"test"` or `"predict"`.
+            batch: `(x, y, sample_weight)`.
+        """
+        if kind != "predict":
+            model._symbolic_build(data_batch=batch)
 
     def release(self, model):
         """Undoes `apply`: the model runs on one device again."""

@@ -52,10 +52,16 @@ class _RankBatchSampler:
         return self._indices(self.sizes)
 
     def _indices(self, sizes):
+        # A process's rows depend on the batch's size alone: computed once
+        # for each size (two an epoch at most: the full and the last).
+        ranges_of = {}
         for indices in self.batch_sampler:
             indices = list(indices)
-            ranges = as_ranges(self.rows_of(len(indices)))
-            sizes.append(len(indices))
+            size = len(indices)
+            ranges = ranges_of.get(size)
+            if ranges is None:
+                ranges = ranges_of[size] = as_ranges(self.rows_of(size))
+            sizes.append(size)
             yield [i for start, stop in ranges for i in indices[start:stop]]
 
     def __len__(self):

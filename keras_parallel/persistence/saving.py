@@ -321,4 +321,4 @@ def restore_distribution(model, dir_path, binding_class):
         )
         return
     model._kp_unbind()
-    model._kp_binding = binding
+    object.__setattr__(model, "_kp_binding", binding)  # Untracked, as compile's.

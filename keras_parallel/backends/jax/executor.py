@@ -115,10 +115,19 @@ class JaxExecutor(Executor):
             variable._value = value
         self._planned = PlannedDistribution(self.distribution, plan)
         self._model = weakref.ref(model)
-        if processes.is_multi_process() and not self.is_chief:
-            self.lasting_saving.hold(
-                lambda: chief_only_saving(model, self.checkpoint_io.saving)
-            )
+
+    def build_from_batch(self, model, kind, batch):
+        if kind != "predict":
+            return super().build_from_batch(model, kind, batch)
+        # Keras's JAX `predict_on_batch` builds an unbuilt model so, first.
+        if not all(layer.built for layer in model._flatten_layers()):
+            with keras.StatelessScope():
+                model(batch[0])
+
+    def saving_swap(self, model):
+        if not processes.is_multi_process() or self.is_chief:
+            return None
+        return lambda: chief_only_saving(model, self.checkpoint_io.saving)
 
     @contextlib.contextmanager
     def planned_scope(self, model):
@@ -207,7 +216,6 @@ class JaxExecutor(Executor):
         return one_step_at_a_time
 
     def release(self, model):
-        self.lasting_saving.end()
         device = jax.devices()[0]
         for variable in model.variables + optimizer_and_metric_variables(model):
             if getattr(variable, "_layout", None) is None:

@@ -134,8 +134,16 @@ class TensorFlowExecutor(Executor):
         tf_variables.move_variables(model, strategy)
         _attach(model, strategy)
         self._applied = True
-        if not self.is_chief:
-            self.lasting_saving.hold(lambda: chief_only_saving(model))
+
+    def saving_swap(self, model):
+        if self.is_chief:
+            return None
+        return lambda: chief_only_saving(model)
+
+    def build_from_batch(self, model, kind, batch):
+        # Under the model's strategy (`scope` attached it), as Keras's own.
+        if kind != "predict":
+            model._maybe_symbolic_build(data_batch=batch)
 
     @contextlib.contextmanager
     def scope(self, model):
@@ -201,7 +209,6 @@ class TensorFlowExecutor(Executor):
     released_after_a_callback_run = True
 
     def release(self, model):
-        self.lasting_saving.end()
         tf_variables.move_variables(model, None)
         _restore_state(model, (None, tf.distribute.get_strategy()))
         self._applied = False

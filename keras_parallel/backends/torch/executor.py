@@ -180,9 +180,14 @@ class TorchExecutor(Executor):
             # Planned again (fit built the optimizer) while an entry point
             # runs: the installed steps stay, with the new wrapper.
             self._steps.use_ddp(self._ddp, make_ddp)
-        if not self.is_chief:
-            self.lasting_saving.hold(lambda: chief_only_saving(model))
         torch_group.on_teardown(self)
+
+    def saving_swap(self, model):
+        if self._mesh_runner is not None:
+            return self._mesh_runner.saving_swap(model)
+        if not torch_group.is_distributed() or self.is_chief:
+            return None
+        return lambda: chief_only_saving(model)
 
     def _start_ddp(self, model):
         self._ddp = self._make_ddp(model)
@@ -283,7 +288,6 @@ class TorchExecutor(Executor):
             return
         self._close_ddp()
         keras_ddp_off(model, off=False)
-        self.lasting_saving.end()
         self._model = None
 
     def _close_ddp(self):

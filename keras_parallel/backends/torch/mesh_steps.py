@@ -29,6 +29,7 @@ from keras_parallel.backends.torch.output_constraints import (
     FinishedSums,
     OutputConstraints,
 )
+from keras_parallel.backends.torch.step_metrics import StepRows
 from keras_parallel.backends.torch.steps import RankSteps
 from keras_parallel.backends.torch.trainer import MeshTrainer
 from keras_parallel.replacements import replaced
@@ -58,7 +59,6 @@ class MeshSteps(RankSteps):
         self.leader = all(
             c == 0 for i, c in enumerate(coordinate) if i != self.batch_dim
         )
-        self._local_rows = None
         self._stack = None
         self._warned_jit = False
         #: Read gathered where split (`gathered_for_use`).
@@ -116,18 +116,16 @@ class MeshSteps(RankSteps):
 
     def _rows(self, rows):
         if rows % self.data_size:
-            self._local_rows = rows
-            return 0, rows, True
+            return StepRows(rows, 0, rows, True)
         per_group = rows // self.data_size
         start = self.data_index * per_group
-        self._local_rows = per_group
-        return start, start + per_group, False
+        return StepRows(rows, start, start + per_group, False)
 
-    def _counts(self, whole):
-        return self.rank == 0 if whole else self.leader
+    def _counts(self, own):
+        return self.rank == 0 if own.whole else self.leader
 
-    def _scale(self, rows, start, stop, whole):
-        return 1.0 if whole else 1.0 / self.data_size
+    def _scale(self, own):
+        return 1.0 if own.whole else 1.0 / self.data_size
 
     def _routes(self, kind):
         return True
@@ -148,13 +146,13 @@ class MeshSteps(RankSteps):
     def batch_placements(self):
         """The placements of this step's batch: split, or whole."""
         return tuple(
-            Shard(0) if i == self.batch_dim and not self._whole else Replicate()
+            Shard(0) if i == self.batch_dim and not self.whole else Replicate()
             for i in range(self.mesh.ndim)
         )
 
     def _routed_call(self, *args, **kwargs):
         placements = self.batch_placements()
-        rows = self._local_rows
+        rows = self.step_rows.stop - self.step_rows.start  # This data group's.
         # With a variable split along the batch axis (KerasHub's layouts), a
         # whole batch the mesh does not divide may be sharded unevenly inside
         # the model and fail a reshape ("Cannot flatten unevenly sharded
@@ -162,7 +160,7 @@ class MeshSteps(RankSteps):
         # cut from the outputs; padding changes what is computed over the
         # batch (an `add_loss` mean, BatchNorm), so only then.
         pad = 0
-        if self._whole and not torch.is_grad_enabled() and self._splits_batch_axis():
+        if self.whole and not torch.is_grad_enabled() and self._splits_batch_axis():
             pad = -rows % self.mesh.size()
 
         def enter(leaf):

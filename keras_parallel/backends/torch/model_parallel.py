@@ -15,7 +15,7 @@ from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.layout_keys import reference_of
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
-from keras_parallel.trainer_class import HeldSwap, TrainerMixin, swap_class
+from keras_parallel.trainer_class import TrainerMixin, swap_class
 
 
 def runs_on_mesh(distribution):
@@ -72,9 +72,6 @@ class MeshRunner:
         self.mesh = None
         self.steps = None
         self.model = None
-        #: Gathered (chief) or chief-only saving, for the model's
-        #: distributed life.
-        self.lasting_saving = HeldSwap()
         #: Each placed variable's `numpy` and `assign` (`_make_usable`).
         self._methods = Replacements()
 
@@ -115,15 +112,19 @@ class MeshRunner:
             # Planned again (fit built the optimizer) while an entry point
             # may run: the installed steps take the new plan.
             self.steps.plan = plan
-        # For the model's whole distributed life, not only while an entry
-        # point runs: after `fit` with a `ShardingCallback` (whose own
-        # saving ends with the run), the variables are still split, and a
-        # save is still a collective.
-        swap = gathered_saving if self.executor.is_chief else chief_only_saving
-        self.lasting_saving.hold(
-            lambda: swap(model, self.executor.checkpoint_io.saving)
-        )
         torch_group.on_teardown(self)
+
+    def saving_swap(self, model):
+        """`Executor.saving_swap`: process 0 gathers the split variables
+        and writes; the others write nothing (both take part in the gather).
+
+        For the model's whole distributed life, not only while an entry
+        point runs: after `fit` with a `ShardingCallback` (whose own saving
+        ends with the run), the variables are still split, and a save is
+        still a collective.
+        """
+        swap = gathered_saving if self.executor.is_chief else chief_only_saving
+        return lambda: swap(model, self.executor.checkpoint_io.saving)
 
     def _make_usable(self, variable):
         # Outside an entry point too (after `fit` through either door), a
@@ -165,7 +166,6 @@ class MeshRunner:
             dtensor_layouts.unplace(variable)
         dtensor_layouts.retrack(model)
         self._methods.restore()
-        self.lasting_saving.end()
         self.model = None
 
     def close(self):

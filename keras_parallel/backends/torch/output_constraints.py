@@ -70,7 +70,7 @@ class OutputConstraints:
                 "output dimension."
             )
         axes = output.axes
-        if steps._whole:
+        if steps.whole:
             axes = tuple(None if a == steps.plan.batch_axis else a for a in axes)
         return dtensor_layouts.placements(axes, steps.mesh.mesh_dim_names)
 
@@ -85,7 +85,7 @@ class OutputConstraints:
         return tuple(
             Replicate()
             if p.is_partial()
-            or (p.is_shard(0) and (i != steps.batch_dim or steps._whole))
+            or (p.is_shard(0) and (i != steps.batch_dim or steps.whole))
             else p
             for i, p in enumerate(leaf.placements)
         )

@@ -25,14 +25,14 @@ from keras_parallel.backends.torch.metric_states import MetricStates
 from keras_parallel.backends.torch.random_stream import RankRandomStream
 from keras_parallel.backends.torch.same_data import SameDataCheck
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
-from keras_parallel.backends.torch.step_metrics import StepMetrics
+from keras_parallel.backends.torch.step_metrics import NO_ROWS, StepMetrics, StepRows
 from keras_parallel.backends.torch.trainer import TorchTrainer
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.replacements import Replacements
 from keras_parallel.trainer_class import swap_class
 
 
-class RankSteps(StepMetrics):
+class RankSteps:
     """Wraps one model's own train/test/predict steps while an entry point runs.
 
     Args:
@@ -62,12 +62,13 @@ class RankSteps(StepMetrics):
         self._own_call = None
         self._routing = False
         self._grad_scale = 1.0
+        #: The metrics' global results (`step_metrics`), made at `install`.
+        self.metrics = None
         self._metric_states = MetricStates(model, rank)
         self._same_data = SameDataCheck(model, world_size, rank)
         self.divided_input = DividedInput(world_size, rank)
-        self._global_step_logs = True
-        self._in_step = False
-        self._whole = False
+        #: The rows of the step running, or of the latest.
+        self.step_rows = NO_ROWS
         self._step = 0
         self._random_stream = RankRandomStream(rank)
         #: Gradient accumulation: no all-reduce on micro-steps (DDP only).
@@ -83,16 +84,24 @@ class RankSteps(StepMetrics):
         # The model's own methods, read before its class puts the trainer's
         # first (`trainer.TorchTrainer`).
         self._own_call = self._forward(model.call)
-        self._original_metrics_result = local_metrics_result(model)
+        previous = self.metrics
+        self.metrics = StepMetrics(
+            self._metric_states,
+            self.world_size,
+            self._counts,
+            local_metrics_result(model),
+        )
+        if previous is not None:
+            # A run's step-log choice holds until the next run's (`step_logs`).
+            self.metrics.latest = previous.latest
         self._keras_steps = {
             kind: keras_step(model, f"{kind}_step") for kind in ("train", "test")
         }
-        self._returned = None
         # What the model's methods are while it runs (`TorchTrainer`).
         self.train_step = self._wrap(model.train_step, "train")
         self.test_step = self._wrap(model.test_step, "test")
         self.predict_step = self._wrap(model.predict_step, "predict")
-        self._get_metrics_result_or_logs = self._epoch_logs(
+        self._get_metrics_result_or_logs = self.metrics.epoch_logs(
             model._get_metrics_result_or_logs
         )
         self._restore_class = swap_class(model, self.trainer, _kp_steps=self)
@@ -109,8 +118,8 @@ class RankSteps(StepMetrics):
             )
         self._install_gradient_reduction()
         self._step = 0
-        # Until a run's callbacks say otherwise (`train_on_batch` has none).
-        self._global_step_logs = True
+        # Until a run's callbacks say otherwise (`train_on_batch` has none):
+        # each step's logs global.
         self._installed = True
 
     def uninstall(self):
@@ -152,9 +161,12 @@ class RankSteps(StepMetrics):
 
     def set_global_step_logs(self, on):
         """Whether each step's logs are made global (`step_logs`)."""
-        if self._metric_states.pending and not self._in_step:
-            self._reduce_metrics()  # What the last run left local.
-        self._global_step_logs = bool(on)
+        self.metrics.set_global_step_logs(on)
+
+    @property
+    def whole(self):
+        """Whether every rank computes the step's whole batch."""
+        return self.step_rows.whole
 
     # ---------------------------------------------------------- steps
     def _wrap(self, step, kind):
@@ -197,59 +209,60 @@ class RankSteps(StepMetrics):
             self._check_batch(rows)
         if kind != "train" and self.dirty:
             self.sync_non_trainable()
-        start, stop, whole = self._rows(rows)
+        own = self.step_rows = self._rows(rows)
         if global_rows is not None:
             local = data  # This rank's rows only, loaded as such.
+        elif own.whole:
+            local = data
         else:
-            local = data if whole else rows_of.slice_rows(data, rows, start, stop)
-        self._whole = whole
+            local = rows_of.slice_rows(data, rows, own.start, own.stop)
         routed = self._routes(kind)
+        metrics = self.metrics
         if kind == "predict":
             self._route_call(routed)
             try:
-                outputs = step(local)
+                with metrics.step(own):
+                    outputs = step(local)
             finally:
                 self._route_call(False)
-            return outputs if whole else self._gather(outputs, rows)
-        self._metric_states.start()
+            return outputs if own.whole else self._gather(outputs, rows)
+        states = metrics.states
+        states.start()
         # A batch computed by several ranks is counted by one.
-        lazy_skip = not self._counts(whole) and not self._global_step_logs
-        before_step = self._metric_states.snapshot() if lazy_skip else None
+        lazy_skip = not self._counts(own) and not metrics.global_step_logs
+        before_step = states.snapshot() if lazy_skip else None
         # Divided batches differ by design: only their sizes are compared.
-        self._metric_states.saw(rows, data if global_rows is None else None)
-        self._in_step = True
+        states.saw(rows, data if global_rows is None else None)
+        if kind == "train":
+            self.dirty = True
+            self._grad_scale = self._scale(own)
+        self._route_call(routed)
         try:
-            if kind == "train":
-                self.dirty = True
-                self._grad_scale = self._scale(rows, start, stop, whole)
-            self._route_call(routed)
-            try:
-                with (
-                    self._context(kind),
-                    self._per_step_weights(kind, rows, start, stop, whole),
-                ):
-                    logs = step(local)
-            finally:
-                self._route_call(False)
+            with (
+                metrics.step(own),
+                self._context(kind),
+                self._per_step_weights(kind, own),
+            ):
+                logs = step(local)
         finally:
-            self._in_step = False
+            self._route_call(False)
         if kind == "train":
             self._ddp_once_every_variable_is_used()
         returned = None
         if isinstance(logs, dict) and not self._keras_steps.get(kind, False):
             # Read before a non-counting rank's metric state is put back.
-            rows_counted = (stop - start) if self._counts(whole) else 0
+            rows_counted = (own.stop - own.start) if self._counts(own) else 0
             returned = ReturnedLogs(logs, self.model.metrics, rows_counted)
         if before_step is not None:
-            self._metric_states.restore(before_step)
-        if returned is not None and self._global_step_logs:
-            return self._global_logs(returned)
+            states.restore(before_step)
+        if returned is not None and metrics.global_step_logs:
+            return metrics.global_logs(returned)
         if returned is not None:
-            # Made global when Keras reads the epoch's logs (`_epoch_logs`).
-            self._returned = returned
-        if self._global_step_logs and self._metric_states.pending:
+            # Made global when Keras reads the epoch's logs (`epoch_logs`).
+            metrics.keep_returned(returned)
+        if metrics.global_step_logs and states.pending:
             # A custom step that never asked for the metrics' results.
-            self._reduce_metrics()
+            metrics.reduce()
         return logs
 
     # What a subclass (`mesh_steps.MeshSteps`) changes, one decision each.
@@ -276,34 +289,32 @@ class RankSteps(StepMetrics):
             )
 
     def _rows(self, rows):
-        """`(start, stop, whole)`: this rank's rows of a global batch."""
-        return rows_of.split_rows(rows, self.world_size, self.rank)
+        """The `StepRows` of this rank in a global batch of `rows` rows."""
+        return StepRows(rows, *rows_of.split_rows(rows, self.world_size, self.rank))
 
-    def _counts(self, whole):
-        """Whether this rank's metric updates of the step count globally."""
-        return not whole or self.rank == 0
+    def _counts(self, own):
+        """Whether this rank's metric updates of the step `own` count globally."""
+        return not own.whole or self.rank == 0
 
-    def _scale(self, rows, start, stop, whole):
+    def _scale(self, own):
         """The factor of this rank's output gradient (module docstring)."""
-        used = rows * self.world_size if whole else rows
-        return self.world_size * (stop - start) / used
+        used = own.rows * self.world_size if own.whole else own.rows
+        return self.world_size * (own.stop - own.start) / used
 
-    def _update_weight(self, rows, start, stop, whole):
+    def _update_weight(self, own):
         """The weight of this rank's one-value-per-step metric updates.
 
         `W` times its counted share of the rows, so every step weighs `W` in
         all (`update_weights`).
         """
-        counted = rows if whole else stop - start
-        return self.world_size * counted / rows
+        counted = own.rows if own.whole else own.stop - own.start
+        return self.world_size * counted / own.rows
 
-    def _per_step_weights(self, kind, rows, start, stop, whole):
+    def _per_step_weights(self, kind, own):
         if kind == "predict" or self._keras_steps.get(kind, False):
             # Keras's own steps weigh every update by its rows already.
             return contextlib.nullcontext()
-        return weighted_per_step_updates(
-            self.model.metrics, self._update_weight(rows, start, stop, whole)
-        )
+        return weighted_per_step_updates(self.model.metrics, self._update_weight(own))
 
     def _routes(self, kind):
         """Whether the model's forward pass is routed in this kind of step."""
@@ -326,7 +337,7 @@ class RankSteps(StepMetrics):
 
     def get_metrics_result(self):
         """The model's `get_metrics_result`, made global where due."""
-        return self._metrics_result()
+        return self.metrics.result()
 
     def call(self, *args, **kwargs):
         """The model's `call`: through DDP while a train step routes it."""
