@@ -14,6 +14,7 @@ from keras_parallel import keras_config
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Auto": "keras_parallel.auto",
     "DataParallel": "keras_parallel.distribution",
     "DistributedModel": "keras_parallel.model",
     "ModelParallel": "keras_parallel.distribution",

@@ -4,7 +4,7 @@
 hold a `Binding`, so neither door holds logic the other lacks.
 """
 
-from keras_parallel import report
+from keras_parallel import auto, report
 from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.keras_compat import print_msg
@@ -21,7 +21,9 @@ class Binding:
     `run` while it runs.
 
     Args:
-        distribution: a `keras.distribution.Distribution`.
+        distribution: a `keras.distribution.Distribution`, or
+            `keras_parallel.Auto` (`"auto"`): chosen when Keras builds the
+            model from its first batch (`auto.choose`).
 
     Raises:
         ShardingError: `distribution` is not a distribution, or this backend
@@ -29,6 +31,19 @@ class Binding:
     """
 
     def __init__(self, distribution):
+        distribution = auto.as_auto(distribution)
+        #: The `Auto` that chooses the distribution, or None.
+        self.auto = distribution if isinstance(distribution, auto.Auto) else None
+        #: What `Auto` chose, once it has.
+        self.choice = None
+        self._batch = None
+        if self.auto is not None:
+            auto.check_backend(executor_class())
+            # Until the choice: the first candidate (every device), whose
+            # executor runs the scopes entered before it.
+            from keras_parallel.distribution import DataParallel
+
+            distribution = DataParallel()
         check_distribution(distribution)
         self.distribution = distribution
         self.executor = executor_class()(distribution)
@@ -69,9 +84,14 @@ class Binding:
 
     def apply_if_changed(self, model):
         """Applies a new plan if the model's variables changed (`prepare`,
-        outside a run's scopes)."""
+        outside a run's scopes). With `Auto`, chooses first, once the batch
+        is known (`batch_seen`)."""
         if not model.built:
             return False
+        if self.needs_batch():
+            if self._batch is None:
+                return False  # Chosen once Keras builds from a batch.
+            self._choose(model)
         signature = variables_signature(model)
         if signature == self._signature:
             return False
@@ -85,6 +105,26 @@ class Binding:
             self._saving.hold(swap)
         self._hint_one_device()
         return True
+
+    def needs_batch(self):
+        """Whether `Auto` still waits for the batch to choose by."""
+        return self.auto is not None and self.choice is None
+
+    def batch_seen(self, batch):
+        """Keeps the first batch Keras builds the model from (`first_batch`)."""
+        if self._batch is None:
+            self._batch = batch
+
+    def _choose(self, model):
+        devices = executor_class().list_devices()
+        choice = auto.choose(self.auto, model, self._batch, executor_class(), devices)
+        distribution = choice.chosen.distribution
+        executor = executor_class()(distribution)
+        executor.check(distribution)
+        self.choice = self.auto.choice = choice
+        self.distribution, self.executor = distribution, executor
+        if executor.is_chief:
+            print_msg(choice.table())
 
     def _hint_one_device(self):
         # On one device nothing is split and nothing else says so: printed

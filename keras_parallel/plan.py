@@ -122,8 +122,9 @@ def check_distribution(distribution, argument="distribution"):
             f"`{argument}` must be a keras.distribution.Distribution such as "
             "keras_parallel.DataParallel() or keras.distribution.ModelParallel"
             f"(layout_map=...). Received: {argument}={distribution!r} (of type "
-            f"{type(distribution).__name__}); pass a distribution, or None for "
-            "one device."
+            f"{type(distribution).__name__}); pass a distribution, "
+            'keras_parallel.Auto() (or "auto") to have one chosen, or None '
+            "for one device."
         )
 
 

@@ -52,9 +52,18 @@ def describe(model, distribution=None):
             "yet. Build it first: call it on a batch, `model.build(shape)`, or "
             "describe it after `fit` started."
         )
+    if distribution is None and binding.needs_batch():
+        return (
+            f"{binding.auto!r}: the distribution of model {model.name!r} is "
+            "chosen at its first fit (or evaluate, train_on_batch), for the "
+            "batch it trains on; describe it after that."
+        )
     if distribution is None:
         plan = binding.plan if binding.plan is not None else binding.resolve(model)
-        executor = binding.executor
+        table = format_plan(plan, model.name, binding.executor)
+        if binding.choice is not None:
+            table = binding.choice.table() + "\n\n" + table
+        return table
     else:
         from keras_parallel.backends import executor_class
 
@@ -64,7 +73,8 @@ def describe(model, distribution=None):
     return format_plan(plan, model.name, executor)
 
 
-def _bytes(n):
+def format_bytes(n):
+    """`n` bytes as a short string: `"512 B"`, `"1.5 MiB"`."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -175,7 +185,7 @@ def format_plan(plan, model_name="model", executor=None):
             str(v.shape),
             v.dtype,
             _axes(v.axes),
-            _bytes(v.bytes_per_device),
+            format_bytes(v.bytes_per_device),
             v.key,
         )
         for v in plan.variables
@@ -200,7 +210,7 @@ def format_plan(plan, model_name="model", executor=None):
         lines.append("Output constraints: none")
     lines.append(
         "Model + optimizer variables per device: "
-        f"{_bytes(plan.bytes_per_device())} of {_bytes(plan.bytes_total())} "
+        f"{format_bytes(plan.bytes_per_device())} of {format_bytes(plan.bytes_total())} "
         "in all"
     )
     return "\n".join(lines)

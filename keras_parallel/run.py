@@ -30,7 +30,7 @@ evaluation inside `fit`) runs in the outer run: the doors make no second one.
 
 import contextlib
 
-from keras_parallel import callback_lists
+from keras_parallel import callback_lists, first_batch
 from keras_parallel.persistence.backup import ExactBackups
 from keras_parallel.persistence.preemption import PreemptionWatch
 
@@ -86,6 +86,9 @@ class Run:
             backups.install()
             stack.callback(backups.uninstall)
             stack.enter_context(PreemptionWatch(executor))
+            if binding.needs_batch():
+                # `Auto` chooses for the batch Keras builds the model from.
+                stack.callback(first_batch.watch(model, binding.batch_seen))
             binding.run = self
             stack.callback(self._detach)
             stack.push(self._leave_plan)

@@ -9,6 +9,7 @@ import pytest
 import keras_parallel
 
 PUBLIC = [
+    "Auto",
     "DataParallel",
     "DistributedModel",
     "ModelParallel",

@@ -29,6 +29,7 @@ LAYERS = (
         "sharding",
         "plan",
         "building",
+        "first_batch",
         "callback_lists",
         "chief",
         "keras_config",
@@ -40,7 +41,7 @@ LAYERS = (
     # cluster's processes, which starts a backend's runtime.
     ("backends", "cluster_join"),
     # What reads and writes files; the distribution helper; the plan's table.
-    ("persistence", "distribution", "report"),
+    ("persistence", "distribution", "report", "auto"),
     # A distribution bound to a model; what is in force around one entry point.
     ("binding", "run"),
     # The public doors.

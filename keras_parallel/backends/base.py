@@ -98,6 +98,35 @@ class Executor(abc.ABC):
         """
         return contextlib.nullcontext()
 
+    # -------------------------------------------------------------- Auto
+    #: The `Auto` candidates this backend predicts (`keras_parallel.auto`):
+    #: `"shard"` (`DataParallel(shard=...)`), `"model"` (`ModelParallel`
+    #: with `rules="auto"`). Empty: `Auto` is refused on this backend.
+    auto_candidate_kinds = ()
+
+    @classmethod
+    def device_memory(cls):
+        """The bytes one device offers, or None where it reports none (a CPU)."""
+        return None
+
+    @classmethod
+    def step_memory(cls, model, distribution, plan, batch):
+        """The memory and traffic one train step takes of a device.
+
+        Args:
+            model: the built model, its optimizer and metrics built.
+            distribution: the candidate distribution.
+            plan: its `ShardingPlan` for `model`.
+            batch: the global batch `(x, y, sample_weight)`.
+
+        Returns:
+            `(peak, moved)`: the bytes one device holds at the step's peak,
+            and the bytes the step's collectives give it.
+        """
+        raise NotImplementedError(
+            f"The {cls.backend} executor predicts no step's memory."
+        )
+
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
         """Refuses a distribution this backend cannot run.

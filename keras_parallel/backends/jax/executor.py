@@ -62,6 +62,20 @@ class JaxExecutor(Executor):
             "is imported (8 simulated devices)"
         )
 
+    auto_candidate_kinds = ("shard", "model")
+
+    @classmethod
+    def device_memory(cls):
+        # A GPU or TPU reports its limit; a CPU reports nothing.
+        stats = jax.devices()[0].memory_stats()
+        return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+    @classmethod
+    def step_memory(cls, model, distribution, plan, batch):
+        from keras_parallel.backends.jax.step_memory import step_memory
+
+        return step_memory(model, distribution, plan, batch)
+
     def device_names(self, devices):
         return [
             f"{d.platform}:{d.id}" if isinstance(d, jax.Device) else str(d).lower()

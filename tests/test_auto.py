@@ -1,0 +1,238 @@
+"""`Auto`: the distribution chosen from the memory each candidate will take.
+
+On JAX (8 simulated devices) the candidates' needs come from XLA's memory
+analysis of Keras's own train step compiled for each plan. The tests set
+budgets between those needs and check which candidate is chosen, that the
+chosen one trains like one device with its batch split, that its prediction
+matches the step `fit` really compiled, and that a model nothing fits is
+refused before any step, unchanged.
+"""
+
+import keras
+import numpy as np
+import pytest
+import split_probe
+from builders import max_relative_difference, weights_of
+
+import keras_parallel
+from keras_parallel import auto
+
+BACKEND = keras.backend.backend()
+jax_only = pytest.mark.skipif(BACKEND != "jax", reason="Auto predicts on JAX")
+FEATURES, HIDDEN, OUTPUTS, BATCH = 64, 512, 64, 64
+
+
+class Net(keras_parallel.DistributedModel, keras.Model):
+    pass
+
+
+def _mlp(probe=False):
+    """An MLP whose kernels are large enough to be split (`shard_min_size`)."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((FEATURES,))
+    x = split_probe.probe()(inputs) if probe else inputs
+    x = keras.layers.Dense(HIDDEN, activation="relu", name="d1")(x)
+    x = keras.layers.Dense(HIDDEN, activation="relu", name="d2")(x)
+    return Net(inputs, keras.layers.Dense(OUTPUTS, name="d3")(x))
+
+
+def _data(n=4 * BATCH):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = rng.normal(size=(n, OUTPUTS)).astype("float32")
+    return x, y
+
+
+def _compile(model, distribution):
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss="mse", distribution=distribution
+    )
+    return model
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("2GiB", 2 * 2**30),
+        ("100MB", 100 * 10**6),
+        ("1.5 KiB", 1536),
+        ("512", 512),
+        (4096, 4096),
+    ],
+)
+def test_sizes_read_decimal_and_binary_units(text, expected):
+    assert auto.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["2 parsecs", "", "-1GB", 0, -5, 1.5, None, True])
+def test_a_size_that_is_not_one_is_refused_naming_the_argument(bad):
+    with pytest.raises(ValueError, match="device_memory.*Received: device_memory="):
+        auto.parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad", [1, -0.1, "0.1", True])
+def test_a_headroom_outside_zero_to_one_is_refused(bad):
+    with pytest.raises(ValueError, match="headroom"):
+        keras_parallel.Auto(device_memory="1GiB", headroom=bad)
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="refused where nothing predicts")
+def test_auto_is_refused_where_the_backend_predicts_no_step():
+    with pytest.raises(keras_parallel.ShardingError, match="JAX only"):
+        _compile(_mlp(), "auto")
+
+
+def test_the_callback_door_says_it_cannot_choose_yet():
+    with pytest.raises(ValueError, match="DistributedModel with distribution=Auto"):
+        keras_parallel.ShardingCallback(keras_parallel.Auto(device_memory="1GiB"))
+
+
+@jax_only
+def test_the_string_auto_is_auto_and_describe_waits_for_the_first_fit():
+    model = _compile(_mlp(), "auto")
+    assert isinstance(model._kp_binding.auto, keras_parallel.Auto)
+    assert "chosen at its first fit" in keras_parallel.describe(model)
+
+
+@jax_only
+def test_without_a_budget_a_cpu_is_refused_at_the_first_fit_unchanged():
+    model = _compile(_mlp(), keras_parallel.Auto())
+    before = weights_of(model)
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"device_memory=\"2GiB\""):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert max_relative_difference(weights_of(model), before) == 0
+    assert model._kp_binding.plan is None
+
+
+@pytest.fixture(scope="module")
+def needs():
+    """Every candidate's prediction for the MLP at the global batch."""
+    if BACKEND != "jax":
+        pytest.skip("Auto predicts on JAX")
+    from keras_parallel.backends import executor_class
+
+    model = _compile(_mlp(), keras_parallel.DataParallel())
+    model.optimizer.build(model.trainable_variables)
+    x, y = _data(BATCH)
+    unlimited = keras_parallel.Auto(device_memory=2**50)
+    choice = auto.choose(
+        unlimited,
+        model,
+        (x, y, None),
+        executor_class(),
+        keras.distribution.list_devices(),
+    )
+    return choice.candidates
+
+
+@jax_only
+def test_each_reachable_candidate_is_chosen_at_its_threshold(needs):
+    names = [c.name for c in needs]
+    assert names[:3] == [
+        "DataParallel()",
+        'DataParallel(shard="optimizer")',
+        'DataParallel(shard="full")',
+    ]
+    assert any(name.startswith("ModelParallel(mesh=(4, 2)") for name in names)
+    reachable = []
+    for index, candidate in enumerate(needs):
+        earlier = [c.bytes_per_device for c in needs[:index]]
+        if all(candidate.bytes_per_device < need for need in earlier):
+            reachable.append(candidate)
+            # At its need exactly: it fits, and every earlier one does not.
+            assert auto.first_fitting(needs, candidate.bytes_per_device) is candidate
+            # A byte less: a later candidate, or none.
+            assert auto.first_fitting(needs, candidate.bytes_per_device - 1) is not (
+                candidate
+            )
+    # Each of data parallelism's three needs less than the one before.
+    assert [c.name for c in reachable[:3]] == names[:3]
+    # Sharding moves bytes no plain data parallel step does.
+    assert needs[2].bytes_moved != needs[0].bytes_moved
+
+
+@jax_only
+def test_the_chosen_distribution_trains_like_one_device_with_the_split_proven(
+    needs, recorded_steps
+):
+    full = needs[2]  # DataParallel(shard="full")
+    budget = (full.bytes_per_device + needs[1].bytes_per_device) // 2
+    x, y = _data()
+    split_probe.clear()
+    model = _compile(
+        _mlp(probe=True), keras_parallel.Auto(device_memory=budget, headroom=0)
+    )
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    binding = model._kp_binding
+    assert binding.choice.chosen.name == full.name
+    assert binding.distribution.shard == "full"
+    kernel = next(v for v in binding.plan.variables if v.path == "d2/kernel")
+    assert "batch" in kernel.axes  # Split, as shard="full" splits it.
+    # The last record is the step fit compiled; those before, the
+    # candidates' steps compiled to predict their memory.
+    split_probe.assert_divided(split_probe.records()[-1:], BATCH, 8)
+
+    one = _compile(_mlp(probe=True), None)
+    one.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert max_relative_difference(weights_of(model), weights_of(one)) < 1e-4
+
+    # The prediction is the step fit compiled, within a tenth.
+    compiled, args = recorded_steps[-1]
+    stats = compiled.lower(*args).compile().memory_analysis()
+    measured = stats.peak_memory_in_bytes
+    predicted = binding.choice.chosen.bytes_per_device
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)
+
+
+@jax_only
+def test_a_model_nothing_fits_is_refused_before_any_step_unchanged():
+    model = _compile(_mlp(), keras_parallel.Auto(device_memory="64KB"))
+    before = weights_of(model)
+    steps = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            steps.append(batch)
+
+    x, y = _data()
+    with pytest.raises(ValueError, match="No candidate distribution fits") as error:
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[Count()])
+    message = str(error.value)
+    assert "the smallest need is" in message
+    assert "56.2 KiB per device" in message  # 64 kB (64000 bytes) less a tenth.
+    assert "largest variable is d2/kernel" in message
+    assert steps == []
+    assert max_relative_difference(weights_of(model), before) == 0
+    assert model._kp_binding.plan is None
+
+
+@jax_only
+@pytest.mark.parametrize(
+    "line,expected",
+    [
+        # An all-reduce of 1 MiB over 8 devices: 2 (n-1)/n of it.
+        (
+            "%a = f32[512,512]{1,0} all-reduce(%x), replica_groups={{0,1,2,3,4,5,6,7}}",
+            2 * 2**20 * 7 // 8,
+        ),
+        # An all-gather over 4 of 2 groups (iota form): (n-1)/n of its result.
+        (
+            "%g = f32[1024,512]{1,0} all-gather(%p), replica_groups=[2,4]<=[4,2]",
+            2**21 * 3 // 4,
+        ),
+        # A reduce-scatter to 1 KiB over a mesh axis of 2: its input, half.
+        (
+            "%r = f32[256]{0} reduce-scatter(%p), replica_groups=mesh['data'=4,'model'=2] {'model'}",
+            1024,
+        ),
+        # Async start ops count, their done ops do not.
+        ("%s = (f32[8], f32[8]) all-reduce-start(%p, %q), replica_groups={{0,1}}", 64),
+        ("%d = f32[8] all-reduce-done(%s)", 0),
+        ("%f = f32[8] fusion(%p), kind=kLoop", 0),
+    ],
+)
+def test_bytes_moved_count_what_a_ring_sends(line, expected):
+    from keras_parallel.backends.jax.step_memory import moved_bytes
+
+    assert moved_bytes(line, 8) == expected
