@@ -169,6 +169,10 @@ def as_auto(distribution):
     return distribution
 
 
+#: Why a candidate after the chosen one has no prediction.
+NOT_PREDICTED = "not predicted: an earlier candidate fits"
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One candidate distribution and what it was predicted to take.
@@ -217,6 +221,9 @@ class Choice:
         """The candidates as a text table, and which was chosen and why."""
         rows = [("candidate", "bytes/device", "state", "moved/step", "fits")]
         for c in self.candidates:
+            if c.refused == NOT_PREDICTED:
+                rows.append((c.name, "-", "-", "-", f"({c.refused})"))
+                continue
             if c.bytes_per_device is None:
                 rows.append((c.name, "-", "-", "-", f"no: {c.refused}"))
                 continue
@@ -303,8 +310,8 @@ def candidates(executor_class, devices):
     return out
 
 
-def choose(auto, model, batch, executor_class, devices):
-    """Predicts every candidate and chooses the first that fits.
+def choose(auto, model, batch, executor_class, devices, predict_all=False):
+    """Predicts the candidates in order and chooses the first that fits.
 
     Args:
         auto: the `Auto`.
@@ -313,6 +320,9 @@ def choose(auto, model, batch, executor_class, devices):
             `dtype`) of `(x, y, sample_weight)`.
         executor_class: the backend's executor class.
         devices: the device names the candidates span.
+        predict_all: predict every candidate (a full table); by default
+            those after the chosen one are not compiled (one compilation
+            when plain data parallelism fits).
 
     Returns:
         The `Choice`.
@@ -330,6 +340,9 @@ def choose(auto, model, batch, executor_class, devices):
     start = time.perf_counter()
     predicted = []
     for name, distribution in candidates(executor_class, devices):
+        if not predict_all and first_fitting(predicted, budget) is not None:
+            predicted.append(Candidate(name, distribution, refused=NOT_PREDICTED))
+            continue
         try:
             plan = resolve_plan_for(distribution, model)
         except ShardingError as error:

@@ -122,6 +122,7 @@ def needs():
         (x, y, None),
         executor_class(),
         keras.distribution.list_devices(),
+        predict_all=True,
     )
     return choice.candidates
 
@@ -236,3 +237,55 @@ def test_bytes_moved_count_what_a_ring_sends(line, expected):
     from keras_parallel.backends.jax.step_memory import moved_bytes
 
     assert moved_bytes(line, 8) == expected
+
+
+@jax_only
+def test_a_kerashub_llama_trains_as_chosen_like_one_device(recorded_steps):
+    # Under the budget of its first reachable candidate after plain data
+    # parallelism: a sharded plan, proven split, equal to one device, and
+    # predicted within a tenth of the step fit compiled.
+    import hub_models
+
+    hub_models.require()
+    from keras_parallel.backends import executor_class
+
+    x, y = hub_models.batch("llama", 16)
+
+    def llama(distribution):
+        model = hub_models.model("llama", probe=True, model_class=Net)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss="mse", distribution=distribution
+        )
+        return model
+
+    probe = llama(keras_parallel.DataParallel())
+    probe.optimizer.build(probe.trainable_variables)
+
+    def chosen_under(budget):
+        # Predicted in order until one fits: a few compilations, not nine.
+        return auto.choose(
+            keras_parallel.Auto(device_memory=budget, headroom=0),
+            probe,
+            (x, y, None),
+            executor_class(),
+            keras.distribution.list_devices(),
+        ).chosen
+
+    plain = chosen_under(2**50)
+    assert plain.name == "DataParallel()"
+    second = chosen_under(plain.bytes_per_device - 1)  # The next that needs less.
+    split_probe.clear()
+    model = llama(
+        keras_parallel.Auto(device_memory=second.bytes_per_device, headroom=0)
+    )
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    chosen = model._kp_binding.choice.chosen
+    assert chosen.name == second.name
+    split_probe.assert_divided(split_probe.records()[-1:], 16, 8)
+    compiled, args = recorded_steps[-1]
+    measured = compiled.lower(*args).compile().memory_analysis().peak_memory_in_bytes
+    assert abs(chosen.bytes_per_device - measured) <= 0.1 * measured
+
+    one = llama(None)
+    one.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert max_relative_difference(weights_of(model), weights_of(one)) < 1e-4

@@ -85,8 +85,22 @@ def step_memory(model, distribution, plan, batch):
         [variable_spec(v) for v in model.metrics_variables],
     )
     data = keras.tree.map_structure(batch_spec, tuple(batch))
+    # As Keras jits its step under a distribution: the new state laid out
+    # as the old (an updated variable the step computed in shards is
+    # gathered back), and the old state donated where the executor keeps
+    # donation (not on CPU: `batches.jit_splitting_batches`).
+    state_shardings = keras.tree.map_structure(lambda spec: spec.sharding, state)
+    on_cpu = all(
+        device.platform == "cpu"
+        for device in np.asarray(mesh.backend_mesh.devices).flat
+    )
+    step = jax.jit(
+        model.train_step,
+        out_shardings=(None, state_shardings),
+        donate_argnums=() if on_cpu else 0,
+    )
     with _in_force(planned):
-        compiled = jax.jit(model.train_step).lower(state, data).compile()
+        compiled = step.lower(state, data).compile()
     devices = int(np.asarray(mesh.devices).size)
     return StepMemory(
         _peak(compiled.memory_analysis()), moved_bytes(compiled.as_text(), devices)
