@@ -194,7 +194,11 @@ class DistributedModel:
             parent(dir_path)
         from keras_parallel.persistence import saving
 
-        saving.save_distribution(self.distribution, dir_path)
+        binding = getattr(self, "_kp_binding", None)
+        # An `Auto` that has not chosen yet saves nothing; once it has, the
+        # loaded model gets the distribution it chose.
+        unchosen = binding is not None and binding.needs_batch()
+        saving.save_distribution(None if unchosen else self.distribution, dir_path)
 
     def load_assets(self, dir_path):
         """Re-applies the saved distribution to the loaded, compiled model.
@@ -227,9 +231,12 @@ class DistributedModel:
 
     @property
     def distribution(self):
-        """The distribution in effect, or `None` for one device."""
+        """The distribution in effect, or `None` for one device (an `Auto`
+        until it has chosen, then what it chose)."""
         binding = getattr(self, "_kp_binding", None)
-        return None if binding is None else binding.distribution
+        if binding is None:
+            return None
+        return binding.auto if binding.needs_batch() else binding.distribution
 
     def _kp_unbind(self):
         binding = getattr(self, "_kp_binding", None)

@@ -90,7 +90,7 @@ def test_the_callback_door_says_it_cannot_choose_yet():
 @jax_only
 def test_the_string_auto_is_auto_and_describe_waits_for_the_first_fit():
     model = _compile(_mlp(), "auto")
-    assert isinstance(model._kp_binding.auto, keras_parallel.Auto)
+    assert isinstance(model.distribution, keras_parallel.Auto)
     assert "chosen at its first fit" in keras_parallel.describe(model)
 
 
@@ -167,7 +167,8 @@ def test_the_chosen_distribution_trains_like_one_device_with_the_split_proven(
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     binding = model._kp_binding
     assert binding.choice.chosen.name == full.name
-    assert binding.distribution.shard == "full"
+    assert model.distribution is binding.choice.chosen.distribution
+    assert model.distribution.shard == "full"
     kernel = next(v for v in binding.plan.variables if v.path == "d2/kernel")
     assert "batch" in kernel.axes  # Split, as shard="full" splits it.
     # The last record is the step fit compiled; those before, the
@@ -289,3 +290,20 @@ def test_a_kerashub_llama_trains_as_chosen_like_one_device(recorded_steps):
     one = llama(None)
     one.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert max_relative_difference(weights_of(model), weights_of(one)) < 1e-4
+
+
+@jax_only
+def test_a_saved_model_keeps_what_auto_chose(needs, tmp_path):
+    budget = needs[1].bytes_per_device  # DataParallel(shard="optimizer")'s.
+    model = _compile(_mlp(), keras_parallel.Auto(device_memory=budget, headroom=0))
+    path = str(tmp_path / "unchosen.keras")
+    model.save(path)  # Before the choice: no distribution saved.
+    loaded = keras.saving.load_model(path, custom_objects={"Net": Net})
+    assert loaded.distribution is None
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    path = str(tmp_path / "chosen.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"Net": Net})
+    assert isinstance(loaded.distribution, keras_parallel.DataParallel)
+    assert loaded.distribution.shard == "optimizer"
