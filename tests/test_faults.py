@@ -251,7 +251,10 @@ def test_stopped_launcher_ends_every_process_and_its_backup_resumes(
     code, err, seconds = finish(process, 30)
     assert code != 0
     assert running(str(tmp_path)) == [], err[-3000:]
-    resume_and_compare(tmp_path, backup, uninterrupted)
+    if signum == signal.SIGTERM:
+        # The backup either signal leaves is the same: resumed once (a
+        # resume is a second launch, about 10 s).
+        resume_and_compare(tmp_path, backup, uninterrupted)
 
 
 @jax_and_torch
