@@ -307,3 +307,13 @@ def test_a_saved_model_keeps_what_auto_chose(needs, tmp_path):
     loaded = keras.saving.load_model(path, custom_objects={"Net": Net})
     assert isinstance(loaded.distribution, keras_parallel.DataParallel)
     assert loaded.distribution.shard == "optimizer"
+
+
+@jax_only
+@pytest.mark.parametrize("entry_point", ["predict", "predict_on_batch"])
+def test_a_prediction_before_the_choice_is_refused(entry_point):
+    model = _compile(_mlp(), keras_parallel.Auto(device_memory="1GiB"))
+    x, _ = _data(BATCH)
+    with pytest.raises(ValueError, match=f"{entry_point}\\(\\) before any fit"):
+        getattr(model, entry_point)(x)
+    assert model._kp_binding.plan is None
