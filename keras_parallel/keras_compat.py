@@ -182,7 +182,8 @@ REPLACED = (
         "point runs; `save` and `save_weights` writing whole files "
         "(`persistence/atomic.py`), nothing on processes other than 0 "
         "(`chief.py`), the split variables gathered first under torch "
-        "ModelParallel (`backends/torch/model_parallel.py`); "
+        "ModelParallel (`backends/torch/model_parallel.py`); the batch "
+        "Keras builds the model from seen, for `Auto` (`first_batch.py`); "
         "`model.__class__` still shows the model's own",
         on_instances=True,
     ),
@@ -190,8 +191,11 @@ REPLACED = (
 
 #: Attributes of Keras objects that keras_parallel reads or sets, by owner.
 OBJECT_ATTRIBUTES = {
-    # Model._flatten_layers walks nested layers (TF executor, sync BN).
-    "keras.Model": ("_flatten_layers",),
+    # Model._flatten_layers walks nested layers (TF executor, sync BN);
+    # _symbolic_build builds a model from a batch: called first for the
+    # `*_on_batch` calls (`Executor.build_from_batch`), and overridden to see
+    # the batch Auto chooses for (`first_batch.py`).
+    "keras.Model": ("_flatten_layers", "_symbolic_build"),
     # The LayoutMap of a ModelParallel (plan, executors' checks, saving).
     "keras.distribution.ModelParallel": ("_layout_map",),
     # Keras's record of where a run is, read and set by the exact backup.
