@@ -4,6 +4,8 @@ A batch the data axis does not divide is placed whole on every device and
 split inside the compiled step, so batches of any size train exactly.
 """
 
+import functools
+
 import jax
 import keras
 import numpy as np
@@ -59,22 +61,35 @@ def distribute_batch(per_process_batch, layout, batch_dim_name, previous, divide
     if part is not None:
         return divided.place(per_process_batch, *part)
     sharding = layout.backend_layout if isinstance(layout, TensorLayout) else layout
-    spec = getattr(sharding, "spec", ())
-    if spec and spec[0] is not None and isinstance(per_process_batch, JAXSparse):
+    ways = _split_ways(sharding)
+    if ways and isinstance(per_process_batch, JAXSparse):
         raise sparse_batch_error(per_process_batch)
-    if spec and spec[0] is not None and per_process_batch.ndim:
-        names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-        ways = 1
-        for name in names:
-            ways *= sharding.mesh.shape[name]
-        if per_process_batch.shape[0] % ways:
-            sharding = jax.sharding.NamedSharding(
-                sharding.mesh, jax.sharding.PartitionSpec()
-            )
+    if ways and per_process_batch.ndim and per_process_batch.shape[0] % ways:
+        sharding = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec()
+        )
     if processes.is_multi_process():
         # Each process holds the whole batch; it transfers only its rows.
         return processes.place(per_process_batch, sharding)
     return previous(per_process_batch, sharding, batch_dim_name)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_ways(sharding):
+    """Over how many devices `sharding` splits a batch's rows; 0 where its
+    spec leaves the rows whole.
+
+    Asked for every leaf of every batch, of the few shardings a run uses:
+    cached (a `NamedSharding` hashes by its mesh and spec).
+    """
+    spec = getattr(sharding, "spec", ())
+    if not spec or spec[0] is None:
+        return 0
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    ways = 1
+    for name in names:
+        ways *= sharding.mesh.shape[name]
+    return ways
 
 
 def sparse_batch_error(sparse):
@@ -103,11 +118,17 @@ def refusing_sparse(get_jax_iterator):
     """
 
     def batches(adapter, *args, **kwargs):
-        for batch in get_jax_iterator(adapter, *args, **kwargs):
+        iterator = iter(get_jax_iterator(adapter, *args, **kwargs))
+        # One adapter makes every batch alike, sparse or dense: its first is
+        # looked at (a later sparse leaf is still refused where it is laid
+        # out, `distribute_batch`), the rest pass untouched.
+        for batch in iterator:
             for leaf in jax.tree_util.tree_leaves(batch, is_leaf=_is_sparse):
                 if _is_sparse(leaf):
                     raise sparse_batch_error(leaf)
             yield batch
+            break
+        yield from iterator
 
     return batches
 
