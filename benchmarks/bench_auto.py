@@ -32,7 +32,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_parallel  # noqa: E402
-from keras_parallel import auto  # noqa: E402
+from keras_parallel import auto_choice  # noqa: E402
 from keras_parallel.backends import executor_class  # noqa: E402
 from keras_parallel.backends.jax import batches  # noqa: E402
 
@@ -92,7 +92,7 @@ def _to_first_batch(model, x, y):
 def _budget(build, x, y):
     model = _compiled(build, keras_parallel.DataParallel())
     model.optimizer.build(model.trainable_variables)
-    needs = auto.choose(
+    needs = auto_choice.choose(
         keras_parallel.Auto(device_memory=2**50),
         model,
         (

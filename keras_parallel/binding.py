@@ -4,7 +4,7 @@
 hold a `Binding`, so neither door holds logic the other lacks.
 """
 
-from keras_parallel import auto, report
+from keras_parallel import auto, auto_choice, report
 from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.keras_compat import print_msg
@@ -23,7 +23,7 @@ class Binding:
     Args:
         distribution: a `keras.distribution.Distribution`, or
             `keras_parallel.Auto` (`"auto"`): chosen when Keras builds the
-            model from its first batch (`auto.choose`).
+            model from its first batch (`auto_choice.choose`).
 
     Raises:
         ShardingError: `distribution` is not a distribution, or this backend
@@ -117,7 +117,9 @@ class Binding:
 
     def _choose(self, model):
         devices = executor_class().list_devices()
-        choice = auto.choose(self.auto, model, self._batch, executor_class(), devices)
+        choice = auto_choice.choose(
+            self.auto, model, self._batch, executor_class(), devices
+        )
         distribution = choice.chosen.distribution
         executor = executor_class()(distribution)
         executor.check(distribution)

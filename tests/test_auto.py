@@ -15,7 +15,7 @@ import split_probe
 from builders import max_relative_difference, weights_of
 
 import keras_parallel
-from keras_parallel import auto
+from keras_parallel import auto, auto_choice
 
 BACKEND = keras.backend.backend()
 jax_only = pytest.mark.skipif(BACKEND != "jax", reason="Auto predicts on JAX")
@@ -116,7 +116,7 @@ def needs():
     model.optimizer.build(model.trainable_variables)
     x, y = _data(BATCH)
     unlimited = keras_parallel.Auto(device_memory=2**50)
-    choice = auto.choose(
+    choice = auto_choice.choose(
         unlimited,
         model,
         (x, y, None),
@@ -142,11 +142,14 @@ def test_each_reachable_candidate_is_chosen_at_its_threshold(needs):
         if all(candidate.bytes_per_device < need for need in earlier):
             reachable.append(candidate)
             # At its need exactly: it fits, and every earlier one does not.
-            assert auto.first_fitting(needs, candidate.bytes_per_device) is candidate
-            # A byte less: a later candidate, or none.
-            assert auto.first_fitting(needs, candidate.bytes_per_device - 1) is not (
-                candidate
+            assert (
+                auto_choice.first_fitting(needs, candidate.bytes_per_device)
+                is candidate
             )
+            # A byte less: a later candidate, or none.
+            assert auto_choice.first_fitting(
+                needs, candidate.bytes_per_device - 1
+            ) is not (candidate)
     # Each of data parallelism's three needs less than the one before.
     assert [c.name for c in reachable[:3]] == names[:3]
     # Sharding moves bytes no plain data parallel step does.
@@ -264,7 +267,7 @@ def test_a_kerashub_llama_trains_as_chosen_like_one_device(recorded_steps):
 
     def chosen_under(budget):
         # Predicted in order until one fits: a few compilations, not nine.
-        return auto.choose(
+        return auto_choice.choose(
             keras_parallel.Auto(device_memory=budget, headroom=0),
             probe,
             (x, y, None),

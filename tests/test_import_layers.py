@@ -41,7 +41,7 @@ LAYERS = (
     # cluster's processes, which starts a backend's runtime.
     ("backends", "cluster_join"),
     # What reads and writes files; the distribution helper; the plan's table.
-    ("persistence", "distribution", "report", "auto"),
+    ("persistence", "distribution", "report", "auto", "auto_choice"),
     # A distribution bound to a model; what is in force around one entry point.
     ("binding", "run"),
     # The public doors.
