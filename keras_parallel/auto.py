@@ -139,7 +139,8 @@ class Auto:
         if memory is None:
             raise ValueError(
                 "Auto needs the memory of a device to choose a distribution, "
-                "and these devices report none (a CPU). Received: "
+                "and these devices report none (a CPU, or TensorFlow's). "
+                "Received: "
                 "Auto(device_memory=None); pass the bytes each device may "
                 'use, e.g. keras_parallel.Auto(device_memory="2GiB").'
             )
@@ -147,18 +148,20 @@ class Auto:
 
 
 def check_backend(executor_class):
-    """Refuses `Auto` on a backend that cannot predict a step's memory yet.
+    """Refuses `Auto` on a backend that cannot predict a step's memory.
 
     Raises:
         ShardingError: naming the backend and what to pass instead.
     """
-    if not executor_class.auto_candidate_kinds:
+    from keras_parallel.backends.base import Executor
+
+    if executor_class.step_memory.__func__ is Executor.step_memory.__func__:
         raise ShardingError(
-            "Auto chooses a distribution from the compiled step's memory, "
-            "which keras_parallel predicts on JAX only for now. Received: "
+            "Auto chooses a distribution from the memory a step will take, "
+            "which keras_parallel does not predict on this backend. Received: "
             f"distribution=Auto() on the {executor_class.backend} backend; "
             "pass keras_parallel.DataParallel() (or shard=, ModelParallel) "
-            "yourself, or use the JAX backend."
+            "yourself."
         )
 
 

@@ -54,6 +54,7 @@ class Choice:
     budget: int
     batch: str
     seconds: float
+    note: str = None
 
     def table(self):
         """The candidates as a text table, and which was chosen and why."""
@@ -95,6 +96,7 @@ class Choice:
                 f"{self.seconds:.1f} s",
                 *("  " + line.rstrip() for line in lines),
                 f"chosen: {self.chosen.name} ({why})",
+                *([f"note: {self.note}"] if self.note else []),
             ]
         )
 
@@ -177,6 +179,7 @@ def choose(auto, model, batch, executor_class, devices, predict_all=False):
     budget = auto.budget(executor_class)
     start = time.perf_counter()
     predicted = []
+    notes = []
     for name, distribution in candidates(executor_class, devices):
         if not predict_all and first_fitting(predicted, budget) is not None:
             predicted.append(Candidate(name, distribution, refused=NOT_PREDICTED))
@@ -187,6 +190,9 @@ def choose(auto, model, batch, executor_class, devices, predict_all=False):
             predicted.append(Candidate(name, distribution, refused=_first_line(error)))
             continue
         memory = executor_class.step_memory(model, distribution, plan, batch)
+        note = getattr(memory, "note", None)
+        if note and note not in notes:
+            notes.append(note)
         predicted.append(
             Candidate(
                 name,
@@ -200,7 +206,79 @@ def choose(auto, model, batch, executor_class, devices, predict_all=False):
     chosen = first_fitting(predicted, budget)
     if chosen is None:
         raise _nothing_fits(model, predicted, budget)
-    return Choice(tuple(predicted), chosen, budget, _batch_text(batch), seconds)
+    return Choice(
+        tuple(predicted),
+        chosen,
+        budget,
+        _batch_text(batch),
+        seconds,
+        "; ".join(notes) or None,
+    )
+
+
+def choose_agreed(auto, model, batch, executor, devices):
+    """`choose`, made by the chief process and given to every other.
+
+    On one process, `choose` itself. With several, only process 0 predicts
+    (a torch prediction measures a step), and sends its table as JSON (data,
+    never code) so that every process applies the same distribution; a
+    refusal reaches every process as the same error.
+
+    Args:
+        auto: the `Auto`.
+        model: the built model.
+        batch: the global batch.
+        executor: the executor in force (its collectives).
+        devices: the device names the candidates span.
+
+    Returns:
+        The `Choice`.
+    """
+    import json
+
+    executor_class = type(executor)
+    if executor.num_processes <= 1:
+        return choose(auto, model, batch, executor_class, devices)
+    choice, message, raised = None, {}, None
+    if executor.is_chief:
+        try:
+            choice = choose(auto, model, batch, executor_class, devices)
+            message = {
+                "rows": [
+                    [c.bytes_per_device, c.state_bytes, c.bytes_moved, c.refused]
+                    for c in choice.candidates
+                ],
+                "budget": choice.budget,
+                "batch": choice.batch,
+                "seconds": choice.seconds,
+                "note": choice.note,
+            }
+        except Exception as error:  # Every process raises it alike.
+            raised = error
+            message = {"error": str(error), "type": type(error).__name__}
+    received = json.loads(executor.broadcast_bytes(json.dumps(message).encode()))
+    if raised is not None:
+        raise raised
+    if "error" in received:
+        kind = ValueError if received.get("type") == "ValueError" else RuntimeError
+        raise kind(f"(process 0 chose) {received['error']}")
+    if choice is not None:
+        return choice
+    predicted = [
+        Candidate(name, distribution, *row)
+        for (name, distribution), row in zip(
+            candidates(executor_class, devices), received["rows"], strict=True
+        )
+    ]
+    budget = int(received["budget"])
+    return Choice(
+        tuple(predicted),
+        first_fitting(predicted, budget),
+        budget,
+        str(received["batch"]),
+        float(received["seconds"]),
+        received.get("note"),
+    )
 
 
 def first_fitting(predicted, budget):
@@ -214,6 +292,9 @@ def _first_line(error):
 
 def _batch_text(batch):
     import keras
+
+    if batch is None:
+        return "not needed"
 
     leaves = [leaf for leaf in keras.tree.flatten(batch) if leaf is not None]
     rows = {int(leaf.shape[0]) for leaf in leaves if len(leaf.shape)}

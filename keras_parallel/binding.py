@@ -82,14 +82,17 @@ class Binding:
             return self.run.plan()
         return self.apply_if_changed(model)
 
-    def apply_if_changed(self, model):
+    def apply_if_changed(self, model, entering=False):
         """Applies a new plan if the model's variables changed (`prepare`,
-        outside a run's scopes). With `Auto`, chooses first, once the batch
-        is known (`batch_seen`)."""
+        outside a run's scopes). With `Auto`, chooses first: at the first
+        entry point (`entering`: a `Run` begins), once the batch is known
+        where the backend's prediction needs it (`batch_seen`)."""
         if not model.built:
             return False
-        if self.needs_batch():
-            if self._batch is None:
+        if self.unchosen():
+            if not (entering or self.run is not None):
+                return False  # Chosen at the first entry point.
+            if self.needs_batch() and self._batch is None:
                 return False  # Chosen once Keras builds from a batch.
             self._choose(model)
         signature = variables_signature(model)
@@ -106,9 +109,14 @@ class Binding:
         self._hint_one_device()
         return True
 
-    def needs_batch(self):
-        """Whether `Auto` still waits for the batch to choose by."""
+    def unchosen(self):
+        """Whether `Auto` has yet to choose the distribution."""
         return self.auto is not None and self.choice is None
+
+    def needs_batch(self):
+        """Whether `Auto` still waits for the batch to choose by (a backend
+        whose prediction needs none: `Executor.auto_needs_batch`)."""
+        return self.unchosen() and executor_class().auto_needs_batch
 
     def batch_seen(self, batch):
         """Keeps the first batch Keras builds the model from (`first_batch`)."""
@@ -117,8 +125,8 @@ class Binding:
 
     def _choose(self, model):
         devices = executor_class().list_devices()
-        choice = auto_choice.choose(
-            self.auto, model, self._batch, executor_class(), devices
+        choice = auto_choice.choose_agreed(
+            self.auto, model, self._batch, self.executor, devices
         )
         distribution = choice.chosen.distribution
         executor = executor_class()(distribution)
@@ -148,6 +156,8 @@ class Binding:
             wrapped = self.executor.wrap_step(function, kind=kind)
             if kind == "predict" and self.plan is None:
                 wrapped = self._planned_at_first_step(model, wrapped, kind)
+            elif kind != "predict" and self.needs_batch():
+                wrapped = self._chosen_at_first_step(model, wrapped, kind)
             if wrapped is not function:
                 wrapped._kp_wrapped = True
                 setattr(model, name, wrapped)
@@ -170,6 +180,33 @@ class Binding:
                         model.make_predict_function(force=True)
                         self.wrap_steps(model)
                         return model.predict_function(*args, **kwargs)
+            return function(*args, **kwargs)
+
+        return step
+
+    def _chosen_at_first_step(self, model, function, kind):
+        """`function`, choosing `Auto`'s distribution from its first batch.
+
+        Through a `ShardingCallback`, Keras drew the batch it builds the
+        model from before the run began: `Auto` chooses from the first
+        step's batch instead, applies the plan, and the step is made again
+        and run under it. No step has run before the choice.
+        """
+
+        def step(*args, **kwargs):
+            if self.needs_batch() and self.run is not None:
+                batch, args = self.executor.first_step_batch(kind, args)
+                if batch is not None:
+                    self.batch_seen(batch)
+
+                    def replan():
+                        self.run.plan()
+                        setattr(model, f"{kind}_function", None)
+                        getattr(model, f"make_{kind}_function")(force=True)
+                        self.wrap_steps(model)
+
+                    args = self.executor.replanned_step_args(model, kind, args, replan)
+                    return getattr(model, f"{kind}_function")(*args, **kwargs)
             return function(*args, **kwargs)
 
         return step

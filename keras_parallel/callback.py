@@ -29,7 +29,11 @@ class ShardingCallback(callback_lists.PhaseCallback):
 
     Args:
         distribution: a `keras.distribution.Distribution`
-            (`keras_parallel.DataParallel()`, `ModelParallel`).
+            (`keras_parallel.DataParallel()`, `ModelParallel`), or
+            `keras_parallel.Auto` (`"auto"`): chosen from the first train
+            (or test) step's batch, before that step runs (Keras drew the
+            batch it builds the model from before it handed this callback
+            the model).
 
     Raises:
         ValueError: `distribution` is not a distribution, or this backend
@@ -50,7 +54,6 @@ class ShardingCallback(callback_lists.PhaseCallback):
     def __init__(self, distribution):
         # Each run's six begin and end hooks: `PhaseCallback`'s.
         super().__init__(on_begin=self._begin, on_end=self._end)
-        _check_not_auto(distribution)
         self.binding = Binding(distribution)
         self._phase = None
         #: The model's own step functions, put back when the run ends.
@@ -157,19 +160,6 @@ class ShardingCallback(callback_lists.PhaseCallback):
         super().on_train_begin(logs)
         if self.params.get("verbose", 1) != 0:
             self.binding.announce(self.model, print_msg)
-
-
-def _check_not_auto(distribution):
-    from keras_parallel.auto import Auto, as_auto
-
-    if isinstance(as_auto(distribution), Auto):
-        raise ValueError(
-            "ShardingCallback cannot choose the distribution yet: Keras hands "
-            "a callback the model after it has drawn the batch Auto chooses "
-            f"for. Received: ShardingCallback({distribution!r}); compile a "
-            "keras_parallel.DistributedModel with distribution=Auto(...), or "
-            "pass the distribution Auto chose there (describe(model) shows it)."
-        )
 
 
 def _check_model(model):

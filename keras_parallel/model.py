@@ -197,7 +197,7 @@ class DistributedModel:
         binding = getattr(self, "_kp_binding", None)
         # An `Auto` that has not chosen yet saves nothing; once it has, the
         # loaded model gets the distribution it chose.
-        unchosen = binding is not None and binding.needs_batch()
+        unchosen = binding is not None and binding.unchosen()
         saving.save_distribution(None if unchosen else self.distribution, dir_path)
 
     def load_assets(self, dir_path):
@@ -236,7 +236,7 @@ class DistributedModel:
         binding = getattr(self, "_kp_binding", None)
         if binding is None:
             return None
-        return binding.auto if binding.needs_batch() else binding.distribution
+        return binding.auto if binding.unchosen() else binding.distribution
 
     def _kp_unbind(self):
         binding = getattr(self, "_kp_binding", None)
@@ -340,7 +340,7 @@ def _entry_point(name):
             # One device, or an entry point inside a run (the evaluation
             # inside `fit`): the run in force holds.
             return call(*args, **kwargs)
-        if name.startswith("predict") and binding.needs_batch():
+        if name.startswith("predict") and binding.unchosen():
             raise ValueError(
                 f"Auto chooses the distribution of model {self.name!r} for the "
                 "batch it trains on, and has not chosen yet. Received: "

@@ -52,7 +52,7 @@ def describe(model, distribution=None):
             "yet. Build it first: call it on a batch, `model.build(shape)`, or "
             "describe it after `fit` started."
         )
-    if distribution is None and binding.needs_batch():
+    if distribution is None and binding.unchosen():
         return (
             f"{binding.auto!r}: the distribution of model {model.name!r} is "
             "chosen at its first fit (or evaluate, train_on_batch), for the "

@@ -77,7 +77,7 @@ class Run:
         # A built model is planned first, outside the scopes, as at `compile`
         # and as a `ShardingCallback` is handed it: a bad layout is refused
         # before anything is entered.
-        binding.apply_if_changed(model)
+        binding.apply_if_changed(model, entering=True)
         stack = contextlib.ExitStack()
         try:
             stack.callback(callback_lists.add_handler(self._list_made))

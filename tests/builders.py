@@ -87,7 +87,9 @@ def interrupt_at(epoch, batch, error=None):
 
 
 def weights_of(model):
-    return [np.array(v.value) for v in model.weights]
+    import keras
+
+    return [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.weights]
 
 
 def max_relative_difference(a_weights, b_weights, noise_floor=0.0):

@@ -26,14 +26,14 @@ class Net(keras_parallel.DistributedModel, keras.Model):
     pass
 
 
-def _mlp(probe=False):
+def _mlp(probe=False, model_class=Net):
     """An MLP whose kernels are large enough to be split (`shard_min_size`)."""
     keras.utils.set_random_seed(3)
     inputs = keras.Input((FEATURES,))
     x = split_probe.probe()(inputs) if probe else inputs
     x = keras.layers.Dense(HIDDEN, activation="relu", name="d1")(x)
     x = keras.layers.Dense(HIDDEN, activation="relu", name="d2")(x)
-    return Net(inputs, keras.layers.Dense(OUTPUTS, name="d3")(x))
+    return model_class(inputs, keras.layers.Dense(OUTPUTS, name="d3")(x))
 
 
 def _data(n=4 * BATCH):
@@ -44,9 +44,8 @@ def _data(n=4 * BATCH):
 
 
 def _compile(model, distribution):
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3), loss="mse", distribution=distribution
-    )
+    kwargs = {} if distribution is None else {"distribution": distribution}
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", **kwargs)
     return model
 
 
@@ -76,25 +75,22 @@ def test_a_headroom_outside_zero_to_one_is_refused(bad):
         keras_parallel.Auto(device_memory="1GiB", headroom=bad)
 
 
-@pytest.mark.skipif(BACKEND == "jax", reason="refused where nothing predicts")
-def test_auto_is_refused_where_the_backend_predicts_no_step():
-    with pytest.raises(keras_parallel.ShardingError, match="JAX only"):
-        _compile(_mlp(), "auto")
+def test_auto_is_refused_where_a_backend_predicts_no_step():
+    from keras_parallel.backends.base import Executor
+
+    class Silent(Executor):
+        backend = "silent"
+
+    with pytest.raises(keras_parallel.ShardingError, match="on the silent backend"):
+        auto.check_backend(Silent)
 
 
-def test_the_callback_door_says_it_cannot_choose_yet():
-    with pytest.raises(ValueError, match="DistributedModel with distribution=Auto"):
-        keras_parallel.ShardingCallback(keras_parallel.Auto(device_memory="1GiB"))
-
-
-@jax_only
 def test_the_string_auto_is_auto_and_describe_waits_for_the_first_fit():
     model = _compile(_mlp(), "auto")
     assert isinstance(model.distribution, keras_parallel.Auto)
     assert "chosen at its first fit" in keras_parallel.describe(model)
 
 
-@jax_only
 def test_without_a_budget_a_cpu_is_refused_at_the_first_fit_unchanged():
     model = _compile(_mlp(), keras_parallel.Auto())
     before = weights_of(model)
@@ -191,6 +187,40 @@ def test_the_chosen_distribution_trains_like_one_device_with_the_split_proven(
 
 
 @jax_only
+def test_through_a_callback_auto_chooses_from_the_first_step_like_one_device(needs):
+    # Keras hands a callback the model after it drew the batch it builds the
+    # model from: the choice is made from the first step's batch, before it
+    # runs, and the step is made again under the chosen plan.
+    full = needs[2]  # DataParallel(shard="full")
+    budget = (full.bytes_per_device + needs[1].bytes_per_device) // 2
+    x, y = _data()
+    callback = keras_parallel.ShardingCallback(
+        keras_parallel.Auto(device_memory=budget, headroom=0)
+    )
+    model = _compile(_mlp(probe=True, model_class=keras.Model), None)
+    split_probe.clear()
+    model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[callback]
+    )
+    assert callback.binding.choice.chosen.name == full.name
+    assert callback.distribution.shard == "full"
+    split_probe.assert_divided(split_probe.records()[-1:], BATCH, 8)
+    one = _compile(_mlp(probe=True, model_class=keras.Model), None)
+    one.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert max_relative_difference(weights_of(model), weights_of(one)) < 1e-4
+
+
+def test_through_a_callback_a_model_nothing_fits_is_refused_unchanged():
+    model = _compile(_mlp(model_class=keras.Model), None)
+    before = weights_of(model)
+    x, y = _data()
+    callback = keras_parallel.ShardingCallback(keras_parallel.Auto("64KB"))
+    with pytest.raises(ValueError, match="No candidate distribution fits"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+    assert max_relative_difference(weights_of(model), before) == 0
+    assert callback.binding.plan is None
+
+
 def test_a_model_nothing_fits_is_refused_before_any_step_unchanged():
     model = _compile(_mlp(), keras_parallel.Auto(device_memory="64KB"))
     before = weights_of(model)
@@ -312,7 +342,6 @@ def test_a_saved_model_keeps_what_auto_chose(needs, tmp_path):
     assert loaded.distribution.shard == "optimizer"
 
 
-@jax_only
 @pytest.mark.parametrize("entry_point", ["predict", "predict_on_batch"])
 def test_a_prediction_before_the_choice_is_refused(entry_point):
     model = _compile(_mlp(), keras_parallel.Auto(device_memory="1GiB"))
@@ -320,3 +349,120 @@ def test_a_prediction_before_the_choice_is_refused(entry_point):
     with pytest.raises(ValueError, match=f"{entry_point}\\(\\) before any fit"):
         getattr(model, entry_point)(x)
     assert model._kp_binding.plan is None
+
+
+# ---------------------------------------------------------------- TensorFlow
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's one candidate")
+@pytest.mark.parametrize("door", ["model", "callback"])
+def test_tensorflow_chooses_data_parallelism_and_says_why(door):
+    import tensorflow as tf
+
+    devices = len(tf.config.list_logical_devices("CPU"))
+    x, y = _data()
+    split_probe.clear()
+    auto_ = keras_parallel.Auto(device_memory="1GiB")
+    if door == "model":
+        model = _compile(_mlp(probe=True), auto_)
+        callbacks = []
+    else:
+        model = _compile(_mlp(probe=True, model_class=keras.Model), None)
+        callbacks = [keras_parallel.ShardingCallback(auto_)]
+    model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks
+    )
+    choice = auto_.choice
+    assert [c.name for c in choice.candidates] == ["DataParallel()"]
+    assert isinstance(choice.chosen.distribution, keras_parallel.DataParallel)
+    assert "data parallelism is the one candidate" in choice.table()
+    # The state and its gradients, exact: the MLP's variables, Adam's two
+    # slots and a gradient per trainable variable, each once per replica.
+    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert choice.chosen.bytes_per_device >= 4 * 4 * parameters
+    split_probe.assert_divided(split_probe.records(), BATCH, devices)
+    one = _compile(_mlp(probe=True, model_class=keras.Model), None)
+    one.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert max_relative_difference(weights_of(model), weights_of(one)) < 1e-4
+
+
+# --------------------------------------------------------------------- torch
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def torch_ranks(request):
+    """`auto_torch_workers.auto_ranks` in 2 and 4 gloo processes."""
+    if BACKEND != "torch":
+        pytest.skip("torch ranks")
+    import hub_models
+
+    hub_models.require()
+    import auto_torch_workers
+
+    from keras_parallel.launcher.torch_processes import launch
+
+    ranks = launch(
+        auto_torch_workers.auto_ranks,
+        request.param,
+        timeout=400,
+        collective_timeout=60,
+    )
+    for rank in ranks:
+        for name, result in rank.items():
+            assert "error" not in result, (name, result["error"])
+    return request.param, ranks
+
+
+@pytest.fixture(scope="module")
+def torch_one_device():
+    import auto_torch_workers as workers
+
+    return {
+        name: workers.trained(
+            name, workers.compiled(workers.model(name, keras.Model, probe=True))
+        )
+        for name in ("mlp", "llama")
+    }
+
+
+@pytest.mark.parametrize("name", ["mlp", "llama"])
+def test_torch_each_reachable_candidate_is_chosen_at_its_threshold(torch_ranks, name):
+    processes, ranks = torch_ranks
+    needs = ranks[0][name]["needs"]
+    assert [n for n, _, _ in needs[:3]] == [
+        "DataParallel()",
+        'DataParallel(shard="optimizer")',
+        'DataParallel(shard="full")',
+    ]
+    assert any(n.startswith("ModelParallel(mesh=(1, ") for n, _, _ in needs)
+    thresholds = ranks[0][name]["thresholds"]
+    # Each of data parallelism's three needs less than the one before.
+    assert [t[0] for t in thresholds[:3]] == [n for n, _, _ in needs[:3]]
+    for candidate, _need, at_need, below in thresholds:
+        assert at_need == candidate  # At its need exactly: it is chosen.
+        assert below != candidate  # A byte less: a later one, or none.
+
+
+@pytest.mark.parametrize("name", ["mlp", "llama"])
+def test_torch_the_chosen_distribution_trains_like_one_device_split(
+    torch_ranks, torch_one_device, name
+):
+    import auto_torch_workers as workers
+
+    processes, ranks = torch_ranks
+    chosen = {rank[name]["chosen"] for rank in ranks}
+    assert chosen == {ranks[0][name]["target"]}  # Every rank, the same.
+    assert ranks[0][name]["target"] != "DataParallel()"
+    # The chosen sharding is in force: each rank holds parts of the state.
+    assert all(rank[name]["held"] for rank in ranks)
+    data_ways = processes
+    if chosen.pop().startswith("ModelParallel(mesh=("):
+        data_ways = int(ranks[0][name]["target"].split("(")[2].split(",")[0])
+    runs = [rank[name] for rank in ranks]
+    if name == "mlp":  # And through a `ShardingCallback`, chosen alike.
+        runs += [rank["callback"] for rank in ranks]
+        assert {rank["callback"]["chosen"] for rank in ranks} == {
+            ranks[0][name]["target"]
+        }
+        assert all(rank["callback"]["held"] for rank in ranks)
+    for run in runs:
+        # The two steps `fit` ran are the last records; before them, Keras's
+        # build (eager, for the Llama) and the step `Auto` measured.
+        split_probe.assert_divided(run["split"][-2:], workers.BATCH[name], data_ways)
+        assert max_relative_difference(run["weights"], torch_one_device[name]) < 1e-4

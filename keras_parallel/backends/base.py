@@ -7,10 +7,16 @@ backend must implement them (the defaults raise). See `docs/design.md`.
 """
 
 import abc
+import collections
 import contextlib
 
 from keras_parallel import wire
 from keras_parallel.backends.checkpoint_io import CheckpointIO
+
+#: What `Executor.step_memory` returns: `peak`, the bytes one device holds
+#: at a train step's peak; `moved`, the bytes one device sends in the step's
+#: collectives; `note`, what the prediction leaves out, if anything.
+StepMemory = collections.namedtuple("StepMemory", "peak moved note", defaults=(None,))
 
 
 class Executor(abc.ABC):
@@ -101,8 +107,11 @@ class Executor(abc.ABC):
     # -------------------------------------------------------------- Auto
     #: The `Auto` candidates this backend predicts (`keras_parallel.auto`):
     #: `"shard"` (`DataParallel(shard=...)`), `"model"` (`ModelParallel`
-    #: with `rules="auto"`). Empty: `Auto` is refused on this backend.
+    #: with `rules="auto"`). Empty: `DataParallel()` is the one candidate.
     auto_candidate_kinds = ()
+    #: Whether `step_memory` needs the batch (the choice waits for the batch
+    #: Keras builds the model from), or only the model and optimizer.
+    auto_needs_batch = True
 
     @classmethod
     def device_memory(cls):
@@ -223,6 +232,38 @@ class Executor(abc.ABC):
             The function to call instead.
         """
         return function
+
+    def first_step_batch(self, kind, args):
+        """The first batch a train or test step function was called with.
+
+        `Auto` through a `ShardingCallback` chooses from it
+        (`Binding._chosen_at_first_step`).
+
+        Args:
+            kind: `"train"` or `"test"`.
+            args: the positional arguments the step function got.
+
+        Returns:
+            `(batch, args)`: the batch, or None where it cannot be read; and
+            the arguments to call the step with (an iterator read from is
+            given back whole).
+        """
+        return None, args
+
+    def replanned_step_args(self, model, kind, args, replan):
+        """Calls `replan()` (the run's plan applied, the step made again) and
+        returns the arguments for the step it made. JAX hands the step the
+        variables' values, taken out of the model: they are put back first,
+        and taken again as the new plan laid them out.
+
+        Args:
+            model: the model.
+            kind: `"train"` or `"test"`.
+            args: the positional arguments the step function got.
+            replan: applies the plan and makes the step again.
+        """
+        replan()
+        return args
 
     def step_inputs(self, kind, args):
         """The model inputs of the batch a step function was called with.

@@ -9,6 +9,7 @@ placement of `batches` and, on CPU devices, one step at a time.
 
 import contextlib
 import functools
+import itertools
 import weakref
 
 import jax
@@ -229,6 +230,38 @@ class JaxExecutor(Executor):
 
         return one_step_at_a_time
 
+    def first_step_batch(self, kind, args):
+        # Keras's JAX step functions take `(state, iterator)` and draw one
+        # batch per step from the iterator: read, then handed back first.
+        if len(args) < 2:
+            return None, args
+        iterator = iter(args[1])
+        try:
+            first = next(iterator)
+        except StopIteration:
+            return None, args
+        return first, (args[0], itertools.chain([first], iterator), *args[2:])
+
+    def replanned_step_args(self, model, kind, args, replan):
+        owners = STATE_OWNERS[kind]
+        # The values Keras took out of the model, put back for the plan
+        # (and kept there if it refuses: the model is unchanged).
+        for owner, values in zip(owners, args[0], strict=False):
+            for variable, value in zip(
+                _variables_of(model, owner), values, strict=False
+            ):
+                variable._value = value
+        replan()
+        # Taken out again as Keras does (`_purge_model_variables`), laid out
+        # by the new plan.
+        state = []
+        for owner in owners:
+            variables = _variables_of(model, owner)
+            state.append([variable.value for variable in variables])
+            for variable in variables:
+                variable._value = None
+        return (tuple(state), *args[1:])
+
     def release(self, model):
         device = jax.devices()[0]
         for variable in model.variables + optimizer_and_metric_variables(model):
@@ -272,6 +305,14 @@ def _laid_out_across_processes(value, sharding):
     )
 
 
+#: The variables of the state Keras's JAX step functions take, in order.
+STATE_OWNERS = {
+    "train": ("trainable", "non_trainable", "optimizer", "metrics"),
+    "test": ("trainable", "non_trainable", "metrics"),
+    "predict": ("trainable", "non_trainable"),
+}
+
+
 def _state_kept_on_failure(function, model, kind):
     """Keras's step, the model's variables given back if it raises.
 
@@ -282,11 +323,7 @@ def _state_kept_on_failure(function, model, kind):
     values the step was handed are put back, unless the step consumed them
     (donated to a computation that then failed).
     """
-    owners = {
-        "train": ("trainable", "non_trainable", "optimizer", "metrics"),
-        "test": ("trainable", "non_trainable", "metrics"),
-        "predict": ("trainable", "non_trainable"),
-    }[kind]
+    owners = STATE_OWNERS[kind]
 
     def step(state, *args, **kwargs):
         try:

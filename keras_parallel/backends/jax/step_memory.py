@@ -7,7 +7,6 @@ temporaries; on CPU too). The collectives in the compiled step say what it
 moves. `keras_parallel.auto` compares the candidates by these.
 """
 
-import collections
 import contextlib
 import re
 
@@ -16,12 +15,9 @@ import keras
 import numpy as np
 from keras.distribution import TensorLayout
 
+from keras_parallel.backends.base import StepMemory
 from keras_parallel.backends.jax.planned_distribution import PlannedDistribution
 from keras_parallel.plan import iter_planned_variables
-
-#: `peak`: the bytes one device holds at the step's peak; `moved`: the bytes
-#: one device sends in the step's collectives (`moved_bytes`).
-StepMemory = collections.namedtuple("StepMemory", "peak moved")
 
 _COLLECTIVES = (
     "all-reduce",
