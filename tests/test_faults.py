@@ -251,9 +251,10 @@ def test_stopped_launcher_ends_every_process_and_its_backup_resumes(
     code, err, seconds = finish(process, 30)
     assert code != 0
     assert running(str(tmp_path)) == [], err[-3000:]
-    if signum == signal.SIGTERM:
-        # The backup either signal leaves is the same: resumed once (a
-        # resume is a second launch, about 10 s).
+    if signum == signal.SIGTERM and BACKEND == "torch":
+        # The backup either signal leaves is the same, on either backend:
+        # resumed once, on torch (a resume is a second launch, about 10 s;
+        # JAX's exact resume: `test_every_process_killed_resumes_exactly`).
         resume_and_compare(tmp_path, backup, uninterrupted)
 
 

@@ -22,7 +22,6 @@ device.
 """
 
 import collections
-import gc
 import weakref
 
 import numpy as np
@@ -147,19 +146,16 @@ def _measured_once(model, data):
 
     optimizer.apply = apply
     # Keras's step leaves some temporaries in reference cycles, which the
-    # collector frees when it happens to run: a step's real peak varies with
-    # it (up to a sixth, `bench_auto_torch.py`). Measured with the collector
-    # off, the step counts them all: the worst case, the same on every
-    # process.
-    gc.collect()
-    collecting = gc.isenabled()
-    gc.disable()
+    # collector frees when it happens to run, in the measured step as in
+    # training: a step's real peak varies with it (`bench_auto_torch.py`),
+    # and so may the processes' measures, of which process 0's is every
+    # process's choice (`auto_choice.choose_agreed`). With the collector
+    # off the step would count every such temporary: several times the
+    # real peak for the Llama of the tests.
     try:
         with live:
             model.train_step(data)
     finally:
-        if collecting:
-            gc.enable()
         del optimizer.apply  # The instance attribute: the class's again.
     if "forward" not in phases:  # No trainable variable: no update ran.
         return live.peak, 0, 0
