@@ -21,7 +21,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 os.environ["KERAS_BACKEND"] = "jax"
 if "device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -35,6 +34,9 @@ import keras_parallel  # noqa: E402
 from keras_parallel import auto_choice  # noqa: E402
 from keras_parallel.backends import executor_class  # noqa: E402
 from keras_parallel.backends.jax import batches  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from first_batch_timing import seconds_to_first_batch  # noqa: E402
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):
@@ -71,22 +73,6 @@ def _compiled(build, distribution):
     model = build()
     model.compile(optimizer="adam", loss="mse", distribution=distribution)
     return model
-
-
-def _to_first_batch(model, x, y):
-    """Seconds from `fit`'s call to its first train batch's begin."""
-    seen = []
-
-    class First(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if not seen:
-                seen.append(time.perf_counter())
-
-    start = time.perf_counter()
-    model.fit(
-        x, y, batch_size=64, epochs=1, steps_per_epoch=1, verbose=0, callbacks=[First()]
-    )
-    return seen[0] - start
 
 
 def _budget(build, x, y):
@@ -145,10 +131,12 @@ def main():
         for _ in range(args.rounds):
             chooser = keras_parallel.Auto(device_memory=budget, headroom=0)
             model = _compiled(build, chooser)
-            by_auto.append(_to_first_batch(model, x, y))
+            by_auto.append(seconds_to_first_batch(model, x, y))
             chosen = chooser.choice
             by_hand.append(
-                _to_first_batch(_compiled(build, chosen.chosen.distribution), x, y)
+                seconds_to_first_batch(
+                    _compiled(build, chosen.chosen.distribution), x, y
+                )
             )
         measured = _measured_peak(_compiled(build, chosen.chosen.distribution), x, y)
         predicted = chosen.chosen.bytes_per_device

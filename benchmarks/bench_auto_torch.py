@@ -19,7 +19,6 @@ Usage:
 import argparse
 import os
 import sys
-import time
 
 os.environ["KERAS_BACKEND"] = "torch"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -167,7 +166,7 @@ def measure(name):
 
 def first_batch_seconds(name, budget):
     """Seconds from `fit` to its first batch: `Auto`, then the chosen by hand."""
-    import keras
+    from first_batch_timing import seconds_to_first_batch
 
     import keras_parallel
 
@@ -175,18 +174,7 @@ def first_batch_seconds(name, budget):
         model = _model(name)
         model.compile(optimizer="adam", loss="mse", distribution=distribution)
         x, y = _data(name)
-        seen = []
-
-        class First(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch, logs=None):
-                if not seen:
-                    seen.append(time.perf_counter())
-
-        start = time.perf_counter()
-        model.fit(
-            x, y, batch_size=BATCH, steps_per_epoch=1, verbose=0, callbacks=[First()]
-        )
-        return seen[0] - start, model.distribution
+        return seconds_to_first_batch(model, x, y, BATCH), model.distribution
 
     auto_seconds, chosen = to_first_batch(
         keras_parallel.Auto(device_memory=budget, headroom=0)
