@@ -5,11 +5,20 @@ and keras-nightly 3.16.0.dev2026102704 (3.10 has no `trainer.jit`; 3.11
 records the variables' shardings before keras_parallel lays them out).
 """
 
-from keras_parallel.keras_compat import find, internal
+from keras_parallel.keras_compat import find, internal, internal_any
 from keras_parallel.replacement_targets import Target
 
 #: `jit` compiles Keras's step (`batches.jit_splitting_batches`).
 trainer = internal("keras.src.backend.jax.trainer", "jit")
+#: Keras's JAX trainer class (3.15's `JAXTrainer`, 3.16's `Trainer`), whose
+#: `_make_function` makes the step functions keras_parallel wraps: they take
+#: `(state, iterator)` and draw one batch per step (the executor's
+#: `first_step_batch`, `_state_kept_on_failure`).
+find(
+    internal_any("keras.src.backend.jax.trainer", "JAXTrainer", "Trainer"),
+    "_make_function",
+    "keras.src.backend.jax.trainer trainer class",
+)
 #: `distribute_data_input` lays out each batch (`batches.distribute_batch`);
 #: `initialize` starts `jax.distributed` (`initialize_once`).
 distribution_lib = internal(
