@@ -80,7 +80,34 @@ def auto_ranks(names=("mlp", "llama")):
     results = {name: _auto_model(name) for name in names}
     if "budget" in results.get("mlp", {}):
         results["callback"] = _through_a_callback("mlp", results["mlp"]["budget"])
+    results["refused"] = _nothing_fits()
     return results
+
+
+def _nothing_fits():
+    """The error each rank raises for a budget nothing fits, and whether
+    its weights were left as they were."""
+    import keras
+    import numpy as np
+
+    import keras_parallel
+
+    try:
+        Net = type("Net", (keras_parallel.DistributedModel, keras.Model), {})
+        run = compiled(model("mlp", Net), keras_parallel.Auto(device_memory="64KB"))
+        before = [np.asarray(w) for w in run.get_weights()]
+        x, y = data("mlp")
+        try:
+            run.fit(x, y, batch_size=BATCH["mlp"], verbose=0)
+        except ValueError as error:
+            after = [np.asarray(w) for w in run.get_weights()]
+            unchanged = all(
+                np.array_equal(a, b) for a, b in zip(before, after, strict=True)
+            )
+            return {"message": str(error), "unchanged": unchanged}
+        return {"error": "fit did not refuse a budget nothing fits"}
+    except Exception:
+        return {"error": traceback.format_exc()}
 
 
 def _through_a_callback(name, budget):

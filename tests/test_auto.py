@@ -466,3 +466,14 @@ def test_torch_the_chosen_distribution_trains_like_one_device_split(
         # build (eager, for the Llama) and the step `Auto` measured.
         split_probe.assert_divided(run["split"][-2:], workers.BATCH[name], data_ways)
         assert max_relative_difference(run["weights"], torch_one_device[name]) < 1e-4
+
+
+def test_torch_a_budget_nothing_fits_is_refused_on_every_rank_unchanged(torch_ranks):
+    # Process 0 predicts and refuses; every other rank raises the same error
+    # (sent as JSON), and no rank's weights moved.
+    processes, ranks = torch_ranks
+    messages = [rank["refused"]["message"] for rank in ranks]
+    assert "No candidate distribution fits" in messages[0]
+    for message in messages[1:]:
+        assert message == f"(process 0 chose) {messages[0]}"
+    assert all(rank["refused"]["unchanged"] for rank in ranks)
