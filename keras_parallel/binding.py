@@ -205,7 +205,17 @@ class Binding:
                         getattr(model, f"make_{kind}_function")(force=True)
                         self.wrap_steps(model)
 
-                    args = self.executor.replanned_step_args(model, kind, args, replan)
+                    run = self.run
+                    try:
+                        args = self.executor.replanned_step_args(
+                            model, kind, args, replan
+                        )
+                    except BaseException as error:
+                        # Refused (nothing fits) before any step: the run
+                        # ends now, with the error, as Keras calls no
+                        # callback after a step raises.
+                        run.__exit__(type(error), error, error.__traceback__)
+                        raise
                     return getattr(model, f"{kind}_function")(*args, **kwargs)
             return function(*args, **kwargs)
 

@@ -70,8 +70,9 @@ class ShardingCallback(callback_lists.PhaseCallback):
         return self.binding.distribution
 
     def set_model(self, model):
-        if self.binding.run is not None:
-            # A run that raised left its scope entered: leave it first.
+        if self.binding.run is not None or self._plain_steps is not None:
+            # A run that raised left its scope entered, or its steps in
+            # place: leave it first.
             self.close()
         _check_model(model)
         super().set_model(model)

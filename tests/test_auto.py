@@ -219,6 +219,9 @@ def test_through_a_callback_a_model_nothing_fits_is_refused_unchanged():
         model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
     assert max_relative_difference(weights_of(model), before) == 0
     assert callback.binding.plan is None
+    # Nothing left in force (the exact backups, the scopes), though Keras
+    # calls no callback after the step raised.
+    assert callback.binding.run is None
 
 
 def test_a_model_nothing_fits_is_refused_before_any_step_unchanged():
