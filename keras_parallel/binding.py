@@ -118,6 +118,17 @@ class Binding:
         whose prediction needs none: `Executor.auto_needs_batch`)."""
         return self.unchosen() and executor_class().auto_needs_batch
 
+    def prediction_refused(self, model, name):
+        """The `ValueError` for a prediction before `Auto` could choose
+        (it chooses for the batch a model trains on: `needs_batch`)."""
+        return ValueError(
+            f"Auto chooses the distribution of model {model.name!r} for the "
+            "batch it trains on, and has not chosen yet. Received: "
+            f"{name}() before any fit, evaluate, train_on_batch or "
+            "test_on_batch; train (or evaluate) first, or give the "
+            "distribution itself. Nothing ran."
+        )
+
     def batch_seen(self, batch):
         """Keeps the first batch Keras builds the model from (`first_batch`)."""
         if self._batch is None:

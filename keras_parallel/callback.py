@@ -141,6 +141,11 @@ class ShardingCallback(callback_lists.PhaseCallback):
             self._steps_version = self.binding.version
 
     def _begin(self, phase):
+        if phase == "predict" and self.binding.needs_batch():
+            # No batch to train by: Keras calls no callback after this
+            # raises, so the run ends here.
+            self.close()
+            raise self.binding.prediction_refused(self.model, "predict")
         if self._phase is None:
             self._phase = phase
         # Keras has made its step function by now (make_*_function runs

@@ -340,14 +340,8 @@ def _entry_point(name):
             # One device, or an entry point inside a run (the evaluation
             # inside `fit`): the run in force holds.
             return call(*args, **kwargs)
-        if name.startswith("predict") and binding.unchosen():
-            raise ValueError(
-                f"Auto chooses the distribution of model {self.name!r} for the "
-                "batch it trains on, and has not chosen yet. Received: "
-                f"{name}() before any fit, evaluate, train_on_batch or "
-                "test_on_batch; train (or evaluate) first, or compile with the "
-                "distribution itself. Nothing ran."
-            )
+        if name.startswith("predict") and binding.needs_batch():
+            raise binding.prediction_refused(self, name)
         if name == "fit":
             # fit(x, y, batch_size, epochs, verbose, ...): the plan is printed
             # once the step is made, when every variable exists.

@@ -345,13 +345,41 @@ def test_a_saved_model_keeps_what_auto_chose(needs, tmp_path):
     assert loaded.distribution.shard == "optimizer"
 
 
-@pytest.mark.parametrize("entry_point", ["predict", "predict_on_batch"])
-def test_a_prediction_before_the_choice_is_refused(entry_point):
+@pytest.mark.skipif(
+    BACKEND == "tensorflow",
+    reason="TensorFlow's choice needs no batch: its predict chooses (below)",
+)
+@pytest.mark.parametrize(
+    "door,entry_point",
+    [("model", "predict"), ("model", "predict_on_batch"), ("callback", "predict")],
+)
+def test_a_prediction_before_the_choice_is_refused(door, entry_point):
+    auto_ = keras_parallel.Auto(device_memory="1GiB")
+    x, _ = _data(BATCH)
+    if door == "model":
+        model = _compile(_mlp(), auto_)
+        binding = model._kp_binding
+        call = getattr(model, entry_point)
+    else:
+        model = _compile(_mlp(model_class=keras.Model), None)
+        callback = keras_parallel.ShardingCallback(auto_)
+        binding = callback.binding
+
+        def call(x):
+            return model.predict(x, verbose=0, callbacks=[callback])
+
+    with pytest.raises(ValueError, match=f"{entry_point}\\(\\) before any fit"):
+        call(x)
+    assert binding.plan is None
+    assert binding.run is None  # Nothing left in force.
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow needs no batch")
+def test_tensorflow_predict_first_chooses():
     model = _compile(_mlp(), keras_parallel.Auto(device_memory="1GiB"))
     x, _ = _data(BATCH)
-    with pytest.raises(ValueError, match=f"{entry_point}\\(\\) before any fit"):
-        getattr(model, entry_point)(x)
-    assert model._kp_binding.plan is None
+    model.predict(x, verbose=0)
+    assert isinstance(model.distribution, keras_parallel.DataParallel)
 
 
 # ---------------------------------------------------------------- TensorFlow
