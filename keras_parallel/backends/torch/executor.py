@@ -9,7 +9,6 @@ process without a group, `fit` is plain Keras.
 
 import contextlib
 import functools
-import weakref
 
 import numpy as np
 import torch
@@ -33,28 +32,6 @@ from keras_parallel.backends.torch.steps import RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
 from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
 from keras_parallel.errors import ShardingError
-
-#: `{model: (batch signature, step_memory.Measured)}` (`step_memory`).
-_measured_steps = weakref.WeakKeyDictionary()
-
-
-def signature_leaves(batch):
-    """The batch's leaves that have rows."""
-    from keras_parallel.backends.torch.keras_compat import tree
-
-    return [
-        leaf
-        for leaf in tree.flatten(batch)
-        if leaf is not None and len(getattr(leaf, "shape", ()))
-    ]
-
-
-def _batch_signature(batch):
-    return tuple(
-        (tuple(int(d) for d in leaf.shape), str(leaf.dtype))
-        for leaf in signature_leaves(batch)
-    )
-
 
 # Done when Keras is imported (`keras_parallel/__init__.py`), unless this
 # backend's own import is what imported Keras: then here.
@@ -119,14 +96,7 @@ class TorchExecutor(Executor):
     def step_memory(cls, model, distribution, plan, batch):
         from keras_parallel.backends.torch import step_memory
 
-        measured = _measured_steps.get(model)
-        signature = _batch_signature(batch)
-        if measured is None or measured[0] != signature:
-            # Measured once per model and batch: every candidate shares it.
-            measured = (signature, step_memory.measure_step(model, batch))
-            _measured_steps[model] = measured
-        rows = max(int(leaf.shape[0]) for leaf in signature_leaves(batch))
-        return step_memory.predict(measured[1], model, plan, distribution, rows)
+        return step_memory.candidate_step(model, distribution, plan, batch)
 
     @classmethod
     def creation_scope(cls, distribution):

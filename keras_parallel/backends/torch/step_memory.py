@@ -172,8 +172,36 @@ def _state_variables(model):
 
 
 def _rows(batch):
-    leaves = [leaf for leaf in tree.flatten(batch) if leaf is not None]
-    return min(int(leaf.shape[0]) for leaf in leaves if len(leaf.shape))
+    """The rows of the batch's smallest leaf that has rows."""
+    return min(int(leaf.shape[0]) for leaf in _leaves_with_rows(batch))
+
+
+def _leaves_with_rows(batch):
+    return [
+        leaf
+        for leaf in tree.flatten(batch)
+        if leaf is not None and len(getattr(leaf, "shape", ()))
+    ]
+
+
+#: `{model: (batch signature, Measured)}`: one measurement per model and
+#: batch, which every candidate shares.
+_measured = weakref.WeakKeyDictionary()
+
+
+def candidate_step(model, distribution, plan, batch):
+    """`Executor.step_memory` on torch: the step measured once per model and
+    batch (`measure_step`), predicted for the candidate (`predict`)."""
+    signature = tuple(
+        (tuple(int(d) for d in leaf.shape), str(leaf.dtype))
+        for leaf in _leaves_with_rows(batch)
+    )
+    kept = _measured.get(model)
+    if kept is None or kept[0] != signature:
+        kept = (signature, measure_step(model, batch))
+        _measured[model] = kept
+    rows = max(shape[0] for shape, _ in signature)
+    return predict(kept[1], model, plan, distribution, rows)
 
 
 def _cut(batch, rows):
