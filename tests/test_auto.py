@@ -222,6 +222,13 @@ def test_through_a_callback_a_model_nothing_fits_is_refused_unchanged():
     # Nothing left in force (the exact backups, the scopes), though Keras
     # calls no callback after the step raised.
     assert callback.binding.run is None
+    # The callback's next run puts back the steps the raised one left: after
+    # it (refused alike) and `close()`, the model has its own steps again.
+    with pytest.raises(ValueError, match="No candidate distribution fits"):
+        model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+    callback.close()
+    assert model.train_function is None  # Never made by a plain `fit`.
+    assert callback.binding.run is None
 
 
 def test_a_model_nothing_fits_is_refused_before_any_step_unchanged():
