@@ -11,6 +11,7 @@ before any test module imports Keras:
 import os
 
 import pytest
+import suite_timing
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if "device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -44,6 +45,10 @@ if os.environ["KERAS_BACKEND"] == "tensorflow":
         # whole heap, 0.16 s a test on an idle machine (0.4 s busy), over
         # 800 tests of the tensorflow env.
         gc.freeze()
+
+
+def pytest_configure(config):
+    suite_timing.register(config)
 
 
 @pytest.fixture

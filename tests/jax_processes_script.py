@@ -1,8 +1,9 @@
 """The training script the multi-process JAX tests launch, one per process.
 
-`python jax_processes_script.py OUT CASE` trains the small model under CASE
-and writes, per process, its weights (whole, gathered), its rows of a
-global batch, its logs and its `describe()` to OUT. Each process builds its
+`python jax_processes_script.py OUT CASE[,CASE...]` trains the small model
+under each CASE in turn (`case_batches.serve`: one launch, a folder
+`OUT/CASE` each) and writes, per process, its weights (whole, gathered),
+its rows of a global batch, its logs and its `describe()` there. Each process builds its
 model from another seed: only process 0's initial weights may count. The
 tests import `build` and `train` to make the one-process references.
 """
@@ -86,7 +87,14 @@ def train(model, case, callbacks=()):
     )
 
 
-def main(out, case):
+def main(out, cases):
+    import case_batches
+    import jax
+
+    case_batches.serve(out, cases.split(","), run_case, jax.process_index())
+
+
+def run_case(out, case):
     import jax
 
     from keras_parallel.backends.jax.batches import distribute_batch

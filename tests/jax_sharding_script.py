@@ -29,7 +29,14 @@ class Net(keras_parallel.DistributedModel, keras.Model):
     pass
 
 
-def main(out, mode):
+def main(out, modes):
+    import case_batches
+    import jax
+
+    case_batches.serve(out, modes.split(","), run_case, jax.process_index())
+
+
+def run_case(out, mode):
     import jax
 
     from keras_parallel.backends.jax import processes

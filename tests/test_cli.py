@@ -6,8 +6,10 @@ module when the script is not installed), on the backend of the tox env.
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import keras
 import pytest
@@ -212,6 +214,50 @@ def test_launch_names_a_process_killed_by_a_signal(capfd):
     assert code == 1
     assert "keras-parallel launch: process 0 was killed by signal 9 (SIGKILL)" in err
     assert "traceback" not in err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launcher_reaches_every_process_and_ends_the_launch(
+    tmp_path, signum
+):
+    # The JAX and TensorFlow launcher's supervisor, stopped as Ctrl-C or a
+    # scheduler stops it: each process gets the same signal, and the
+    # launch ends with 128 + its number, nothing left. (The processes' own
+    # way to stop, a backup written, is test_faults' and test_preemption's.)
+    from subprocesses import gone, start_in_session
+
+    child = (
+        "import signal, sys, time; "
+        "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "got = lambda s, f: (open(sys.argv[1], 'w').write(str(s)), sys.exit(0)); "
+        "[signal.signal(s, got) for s in (signal.SIGINT, signal.SIGTERM)]; "
+        "open(sys.argv[1] + '.ready', 'w').close(); time.sleep(60)"
+    )
+    launcher = (
+        "import os, sys; from keras_parallel.launcher import supervisor; "
+        "sys.exit(supervisor.supervise([([sys.executable, '-c', sys.argv[1], "
+        "os.path.join(sys.argv[2], f'got{i}')], dict(os.environ)) for i in (0, 1)]))"
+    )
+    process = start_in_session(
+        [sys.executable, "-c", launcher, child, str(tmp_path)], dict(os.environ)
+    )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"got{i}.ready").exists() for i in (0, 1)):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the processes never started"
+        time.sleep(0.05)
+    os.kill(process.pid, signum)
+    try:
+        _, err = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    assert process.returncode == 128 + signum, err
+    assert f"stopped by signal {int(signum)}; passing it to every process" in err
+    assert [(tmp_path / f"got{i}").read_text() for i in (0, 1)] == [
+        str(int(signum))
+    ] * 2
+    assert gone(str(tmp_path)) == []
 
 
 def test_launch_names_the_process_with_the_cause_not_one_a_peer_broke(capfd):

@@ -474,16 +474,30 @@ def test_sharded_model_checkpoints_resume_exactly_and_restore_elsewhere(tmp_path
         assert value.addressable_shards[0].data.size * 4 == value.size
 
 
-@pytest.mark.parametrize("mode", [*MODES, "full_built"])
-def test_two_processes_of_four_devices_train_as_one_device(tmp_path, mode):
+PROCESS_MODES = (*MODES, "full_built")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Every mode's run on 2 processes x 4 devices, in one launch."""
+    from case_batches import run_batch
+    from subprocesses import checkout_env, jax_launch_command, run_in_session
+
+    def launch(modes, out):
+        command = jax_launch_command("jax_sharding_script.py", out, ",".join(modes))
+        result = run_in_session(command, checkout_env(KERAS_BACKEND="jax"), 300)
+        return result.stderr
+
+    out = tmp_path_factory.mktemp("two_processes")
+    return run_batch(PROCESS_MODES, launch, str(out), processes=2)
+
+
+@pytest.mark.parametrize("mode", PROCESS_MODES)
+def test_two_processes_of_four_devices_train_as_one_device(two_processes, mode):
     import json
     import os
 
-    from subprocesses import checkout_env, jax_launch_command, run_in_session
-
-    command = jax_launch_command("jax_sharding_script.py", tmp_path, mode)
-    result = run_in_session(command, checkout_env(KERAS_BACKEND="jax"), 240)
-    assert result.returncode == 0, result.stderr[-4000:]
+    tmp_path = two_processes[mode].check()
     x, y = wide_data(640)
     # 1 step: 2e-5, not 1e-5 as in one process: after Adam's first step
     # `d1/bias` holds lr * g / (|g| + epsilon), which for the elements whose
