@@ -11,6 +11,7 @@ tests import `build` and `train` to make the one-process references.
 import json
 import os
 import sys
+import time
 
 import keras
 import numpy as np
@@ -104,6 +105,10 @@ def run_case(out, case):
     class Boom(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if case == "fail" and process == 1 and batch == 3:
+                # When it raised, for the test's bound on how long the
+                # others then run (not on the launch's start-up).
+                with open(os.path.join(out, "..", "raised_at"), "w") as f:
+                    f.write(repr(time.time()))
                 raise ValueError("boom on process 1")
 
     np.random.seed(5 + process)  # The shuffle must still be process 0's.

@@ -179,13 +179,15 @@ def test_model_parallel_splits_the_kernel_within_each_process(launched):
 
 
 def test_a_process_that_raises_ends_every_process(tmp_path):
-    start = time.monotonic()
     result = launch(tmp_path, "fail")
-    elapsed = time.monotonic() - start
+    # From the raise to the launch's end: the launcher's grace for the
+    # others (5 s) and its SIGTERM-to-SIGKILL grace (5 s), not a collective's
+    # timeout (300 s); the start-up before it is the machine's.
+    elapsed = time.time() - float((tmp_path / "raised_at").read_text())
     assert result.returncode == 1, result.stderr[-3000:]
     assert "ValueError: boom on process 1" in result.stderr
     assert "process 1 failed with exit code 1" in result.stderr
-    assert elapsed < 60, elapsed
+    assert elapsed < 40, elapsed
     assert running(str(tmp_path)) == []
 
 
