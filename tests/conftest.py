@@ -51,24 +51,6 @@ def pytest_configure(config):
     suite_timing.register(config)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests that share a module-scoped fixture run on one xdist worker.
-
-    The default tox envs run the suite on 2 workers (`-n 2 --dist
-    loadgroup`): a test is sent to any worker, except that the tests of a
-    module sharing a module-scoped fixture (a launch of several processes,
-    a one-device reference) go to the same one, which makes it once.
-    """
-    for item in items:
-        definitions = item._fixtureinfo.name2fixturedefs
-        if any(
-            definitions[name][-1].scope == "module"
-            for name in item.fixturenames
-            if name in definitions
-        ):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.fixture
 def recorded_steps(monkeypatch):
     """JAX: the last compiled train step and its arguments, as it is called.

@@ -89,9 +89,6 @@ def register(config):
     """Adds the plugin when `KERAS_PARALLEL_SUITE_TIMING` names a file."""
     path = os.environ.get(VARIABLE)
     if path:
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
-        if worker:  # One file per xdist worker; the summary reads them all.
-            path = f"{path}.{worker}"
         config.pluginmanager.register(SuiteTiming(path), "suite_timing")
 
 
