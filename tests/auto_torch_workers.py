@@ -137,6 +137,7 @@ def _through_a_callback(name, budget):
         return {
             "held": _held_in_part(run),
             "chosen": callback.binding.choice.chosen.name,
+            "first_fitting": _first_fitting(callback.binding.choice),
             "weights": [np.asarray(w) for w in run.get_weights()],
             "split": split_probe.records(),
         }
@@ -198,12 +199,24 @@ def _auto_model(name):
             "thresholds": thresholds,
             "target": target[0],
             "chosen": run._kp_binding.choice.chosen.name,
+            "first_fitting": _first_fitting(run._kp_binding.choice),
             "distribution": type(run.distribution).__name__,
             "weights": weights,
             "split": split_probe.records(),
         }
     except Exception:
         return {"error": traceback.format_exc()}
+
+
+def _first_fitting(choice):
+    """The first candidate of `fit`'s own table whose predicted need is
+    within its budget: what `Auto` must have chosen (read from the table,
+    not through `auto_choice`'s own choice)."""
+    return next(
+        c.name
+        for c in choice.candidates
+        if c.bytes_per_device is not None and c.bytes_per_device <= choice.budget
+    )
 
 
 def _held_in_part(model_):

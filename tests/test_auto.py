@@ -484,21 +484,33 @@ def test_torch_the_chosen_distribution_trains_like_one_device_split(
     import auto_torch_workers as workers
 
     processes, ranks = torch_ranks
+    # Every rank applies process 0's choice: the first candidate of the
+    # table `fit` printed whose need fits the budget. `fit` measures the
+    # step anew, and the measurement moves with the garbage collector (a
+    # few %), so the choice is read against `fit`'s own table; the exact
+    # thresholds are `test_torch_each_reachable_candidate_is_chosen_at_its_threshold`'s.
     chosen = {rank[name]["chosen"] for rank in ranks}
-    assert chosen == {ranks[0][name]["target"]}  # Every rank, the same.
-    assert ranks[0][name]["target"] != "DataParallel()"
-    # The chosen sharding is in force: each rank holds parts of the state.
-    assert all(rank[name]["held"] for rank in ranks)
+    assert chosen == {ranks[0][name]["first_fitting"]}, ranks[0][name]["needs"]
+    # A budget below plain data parallelism's need: a sharded plan chosen.
+    chosen_name = chosen.pop()
+    assert chosen_name != "DataParallel()"
+    # The chosen sharding is in force: each rank holds parts of the
+    # variables where the plan splits them (`_held_in_part` finds none
+    # under `shard="optimizer"` on these models).
+    if chosen_name != 'DataParallel(shard="optimizer")':
+        assert all(rank[name]["held"] for rank in ranks)
     data_ways = processes
-    if chosen.pop().startswith("ModelParallel(mesh=("):
-        data_ways = int(ranks[0][name]["target"].split("(")[2].split(",")[0])
+    if chosen_name.startswith("ModelParallel(mesh=("):
+        data_ways = int(chosen_name.split("(")[2].split(",")[0])
     runs = [rank[name] for rank in ranks]
     if name == "mlp":  # And through a `ShardingCallback`, chosen alike.
         runs += [rank["callback"] for rank in ranks]
         assert {rank["callback"]["chosen"] for rank in ranks} == {
-            ranks[0][name]["target"]
+            ranks[0]["callback"]["first_fitting"]
         }
-        assert all(rank["callback"]["held"] for rank in ranks)
+        assert ranks[0]["callback"]["chosen"] != "DataParallel()"
+        if ranks[0]["callback"]["chosen"] != 'DataParallel(shard="optimizer")':
+            assert all(rank["callback"]["held"] for rank in ranks)
     for run in runs:
         # The two steps `fit` ran are the last records; before them, Keras's
         # build (eager, for the Llama) and the step `Auto` measured.
