@@ -62,28 +62,12 @@ def launched(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("equivalence")
     outcomes = run_batch(EQUIVALENCE_CASES, launch_cases, out, processes=2)
-    return {case: Launched(outcome) for case, outcome in outcomes.items()}
-
-
-class Launched:
-    """One case's files: its weights and infos (failing the test that asks,
-    naming the case, if it failed) and its folder."""
-
-    def __init__(self, outcome):
-        self.outcome = outcome
-
-    @property
-    def folder(self):
-        return self.outcome.check()
-
-    @property
-    def results(self):
-        return results(self.folder)
+    return outcomes  # `.check()`: its folder, or the test fails naming it.
 
 
 @pytest.mark.parametrize("case", EQUIVALENCE_CASES)
 def test_weights_equal_one_process_and_one_device(launched, case):
-    weights, _ = launched[case].results
+    weights, _ = results(launched[case].check())
     for a, b in zip(weights[0], weights[1], strict=True):
         np.testing.assert_array_equal(a, b)  # Every process: one model.
     tolerance = 1e-5 if case.endswith("one_step") else 1e-4
@@ -95,7 +79,7 @@ def test_weights_equal_one_process_and_one_device(launched, case):
 
 @pytest.mark.parametrize("case", ["data_parallel_epoch", "model_parallel_epoch"])
 def test_each_process_feeds_only_its_rows(launched, case):
-    _, infos = launched[case].results
+    _, infos = results(launched[case].check())
     assert infos[0]["rows"] == list(range(32))
     assert infos[1]["rows"] == list(range(32, 64))
     assert infos[0]["loss"] == infos[1]["loss"]
@@ -103,8 +87,8 @@ def test_each_process_feeds_only_its_rows(launched, case):
 
 @pytest.mark.parametrize("case", ["data_parallel_epoch", "model_parallel_epoch"])
 def test_predict_and_evaluate_are_whole_on_every_process(launched, case):
-    _, infos = launched[case].results
-    directory = launched[case].folder
+    _, infos = results(launched[case].check())
+    directory = launched[case].check()
     model = script.build(case, seed=1, distributed=True)
     script.train(model, case)
     x, y = script.data()
@@ -120,7 +104,7 @@ def test_predict_and_evaluate_are_whole_on_every_process(launched, case):
 
 
 def test_describe_shows_the_global_mesh(launched):
-    _, infos = launched["data_parallel_epoch"].results
+    _, infos = results(launched["data_parallel_epoch"].check())
     for info in infos:
         assert info["devices"] == 8 and info["local_devices"] == 4
         assert "Backend: jax, 8 devices in 2 processes" in info["describe"]
@@ -138,8 +122,8 @@ def test_describe_shows_the_global_mesh(launched):
 @pytest.mark.parametrize("case", EQUIVALENCE_CASES)
 def test_saved_files_load_on_one_device(launched, case):
     """`model.save` and `ModelCheckpoint`, whole, written once by process 0."""
-    weights, _ = launched[case].results
-    directory = launched[case].folder
+    weights, _ = results(launched[case].check())
+    directory = launched[case].check()
     assert sorted(
         f for f in os.listdir(directory) if not f.endswith((".npz", ".npy", ".json"))
     ) == [
@@ -157,7 +141,7 @@ def test_saved_files_load_on_one_device(launched, case):
 
 
 def test_model_axis_across_processes_splits_the_kernel_between_them(launched):
-    _, infos = launched["model_parallel_across_one_step"].results
+    _, infos = results(launched["model_parallel_across_one_step"].check())
     for info in infos:
         # d1/kernel (16, 32) split 2 ways over `model`, which spans the
         # processes: each process holds one half on each of its 4 devices.
@@ -165,7 +149,7 @@ def test_model_axis_across_processes_splits_the_kernel_between_them(launched):
 
 
 def test_model_parallel_splits_the_kernel_within_each_process(launched):
-    _, infos = launched["model_parallel_epoch"].results
+    _, infos = results(launched["model_parallel_epoch"].check())
     for info in infos:
         # d1/kernel (16, 32) split 4 ways over `model`, on 4 local devices.
         assert info["kernel_shards"] == [[16, 8]] * 4
