@@ -4,7 +4,9 @@
 passes it through) writes, per test: its wall seconds (setup, call and
 teardown together), the processes it started (`subprocess.Popen` and
 `multiprocessing` starts, launchers and ranks alike, as seen from the
-test's process), and, on JAX, the seconds this process spent tracing,
+test's process), the CPU seconds of this process and of the processes it
+waited for (a test whose CPU seconds are far below twice its wall seconds
+on 2 cores is waiting: a deadline, a sleep, a poll), and, on JAX, the seconds this process spent tracing,
 lowering and compiling (JAX's own monitoring events). `python
 tests/suite_timing.py FILE...` prints them per test file, as
 tests/README.md's table.
@@ -13,6 +15,7 @@ tests/README.md's table.
 import collections
 import json
 import os
+import resource
 import sys
 import time
 
@@ -72,10 +75,11 @@ class SuiteTiming:
     def pytest_runtest_protocol(self, item, nextitem):
         self._listen_to_jax()
         launches, compile_s = self._launches, self._compile_s
-        began = time.monotonic()
+        began, cpu = time.monotonic(), _cpu_seconds()
         yield
         self.records[item.nodeid] = {
             "seconds": round(time.monotonic() - began, 3),
+            "cpu_seconds": round(_cpu_seconds() - cpu, 3),
             "launches": self._launches - launches,
             "jax_compile_seconds": round(self._compile_s - compile_s, 3),
         }
@@ -83,6 +87,15 @@ class SuiteTiming:
     def pytest_sessionfinish(self, session):
         with open(self.path, "w") as f:
             json.dump(self.records, f, indent=1, sort_keys=True)
+
+
+def _cpu_seconds():
+    """User and system CPU of this process and its waited-for children."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
 
 
 def register(config):
@@ -93,16 +106,18 @@ def register(config):
 
 
 def summarize(paths):
-    """Rows `(file, tests, seconds, launches, jax compile s)`, slowest first."""
-    per_file = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])
+    """Rows `(file, tests, seconds, cpu s, launches, jax compile s)`, slowest
+    first."""
+    per_file = collections.defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0])
     for path in paths:
         with open(path) as f:
             for nodeid, record in json.load(f).items():
                 row = per_file[nodeid.split("::")[0]]
                 row[0] += 1
                 row[1] += record["seconds"]
-                row[2] += record["launches"]
-                row[3] += record["jax_compile_seconds"]
+                row[2] += record.get("cpu_seconds", 0.0)
+                row[3] += record["launches"]
+                row[4] += record["jax_compile_seconds"]
     rows = [(name, *values) for name, values in per_file.items()]
     return sorted(rows, key=lambda row: -row[2])
 
@@ -110,17 +125,20 @@ def summarize(paths):
 def main(paths):
     rows = summarize(paths)
     total = sum(row[2] for row in rows)
-    print("| file | tests | seconds | share | processes started | JAX compile s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, tests, seconds, launches, compile_s in rows:
+    print(
+        "| file | tests | seconds | share | CPU s | processes started | JAX compile s |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, tests, seconds, cpu, launches, compile_s in rows:
         share = 100 * seconds / total if total else 0.0
         print(
-            f"| {name} | {tests} | {seconds:.0f} | {share:.0f} % | {launches} "
-            f"| {compile_s:.0f} |"
+            f"| {name} | {tests} | {seconds:.0f} | {share:.0f} % | {cpu:.0f} "
+            f"| {launches} | {compile_s:.0f} |"
         )
     print(
         f"| total | {sum(r[1] for r in rows)} | {total:.0f} | | "
-        f"{sum(r[3] for r in rows)} | {sum(r[4] for r in rows):.0f} |"
+        f"{sum(r[3] for r in rows):.0f} | {sum(r[4] for r in rows)} "
+        f"| {sum(r[5] for r in rows):.0f} |"
     )
 
 

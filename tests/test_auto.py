@@ -432,8 +432,7 @@ def torch_ranks(request):
 
     hub_models.require()
     import auto_torch_workers
-
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     ranks = launch(
         auto_torch_workers.auto_ranks,

@@ -11,10 +11,12 @@ import subprocess
 import sys
 import time
 
+import backend_neutral
 from case_batches import run_batch, serve
 from subprocesses import checkout_env, gone, run_in_session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = backend_neutral.once
 
 
 def run_case(folder, case):

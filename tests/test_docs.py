@@ -17,6 +17,11 @@ Directives, separated by `;`:
 - `prelude NAME[, NAME]`: run `SNIPPETS[NAME]` first (the reader's model,
   data, files); `then NAME`: run `SNIPPETS[NAME]` after the block.
 - `only BACKEND[, BACKEND] (why)`: run on those backends alone.
+  A block with neither `only` nor `needs` runs on one backend of the
+  matrix, the backends taking such blocks in turn (`backend_of`): what it
+  shows is plain Keras and keras_parallel's public API, which the suite's
+  own tests check on every backend; its staleness shows on any of them,
+  and its process need not start in every env.
 - `needs MODULE`: skip where an optional extra is not installed.
 - `launch N`: run under `keras-parallel launch --nproc-per-node N`.
 - `expect REGEX`: the block's output must match (a number the text promises).
@@ -168,6 +173,22 @@ model.fit(x, y, batch_size=400, epochs=1, verbose=0,
 }
 
 
+def backend_of(block, blocks):
+    """The one backend a block that names none runs on: in turn, by order.
+
+    Blocks with `only` or `needs` keep their own rule (where a `needs` is
+    installed depends on the env, so such a block runs wherever it can).
+    """
+    generic = [
+        b.where
+        for b in blocks
+        if not ({"only", "needs", "skip", "slow"} & set(b.directives))
+    ]
+    if block.where not in generic:
+        return None
+    return BACKENDS[generic.index(block.where) % len(BACKENDS)]
+
+
 @dataclasses.dataclass
 class Block:
     """One ```python block and its directives."""
@@ -278,6 +299,13 @@ def test_markers_are_understood():
     assert [b.error for b in BLOCKS if b.error] == []
 
 
+def test_every_generic_block_runs_on_one_backend_and_each_backend_takes_some():
+    turns = [backend_of(b, BLOCKS) for b in BLOCKS]
+    generic = [t for t in turns if t is not None]
+    assert generic, "no block names no backend"
+    assert set(generic) == set(BACKENDS) or len(generic) < len(BACKENDS), generic
+
+
 def test_a_bad_marker_is_refused():
     for text in (
         " skip",
@@ -320,6 +348,9 @@ def test_block_runs_as_written(block, tmp_path):
     if BACKEND not in directives.get("only", BACKENDS):
         only = "/".join(directives["only"])
         pytest.skip(f"{block.where}: {only} only: {directives['only_reason']}")
+    turn = backend_of(block, BLOCKS)
+    if turn not in (None, BACKEND):
+        pytest.skip(f"{block.where}: names no backend; runs in the {turn} env")
     needs = directives.get("needs")
     if needs and importlib.util.find_spec(needs) is None:
         pytest.skip(f"{block.where}: needs {needs}, not installed")

@@ -70,7 +70,7 @@ torch_only = pytest.mark.skipif(
 
 
 def _launch_first_calls(num_processes, selected, model_parallel=False):
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     return launch(
         model_forms.first_call_run,

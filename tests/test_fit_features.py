@@ -250,7 +250,7 @@ def torch_results():
 
 def launch_torch_columns():
     """`{(name, column, door): [rank 0's result, ...]}`, one launch per column."""
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     out = {}
     for column in COLUMNS:

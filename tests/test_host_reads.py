@@ -29,7 +29,7 @@ def all_cases(distributed):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     return launch(all_cases, 2, args=(True,), timeout=240, collective_timeout=60)
 

@@ -269,7 +269,7 @@ CASES = [
 
 
 def _launch(fn, args=()):
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     return launch(fn, 2, args=args, timeout=LAUNCH_TIMEOUT, collective_timeout=60)
 

@@ -300,60 +300,71 @@ def test_subclassed_model_needs_its_class(tmp_path):
 
 
 # ---------------------------------------------------- in a plain process
+# One plain process loads every saved model in turn (`PATH OUT BATCH`
+# triples): each case's result is its own; one Python start serves them all.
 PLAIN_LOAD = textwrap.dedent(
     """
     import json, sys
     import keras
     import numpy as np
 
-    path, out, x_path = sys.argv[1:4]
-    model = keras.saving.load_model(path)
-    data = np.load(x_path)
-    result = {
-        "class": type(model).__name__,
-        "keras_parallel_imported": "keras_parallel" in sys.modules,
-        "loss": model.loss,
-        "optimizer": type(model.optimizer).__name__,
-        "learning_rate": float(model.optimizer.learning_rate.numpy()),
-        "evaluate": model.evaluate(data["x"], data["y"], verbose=0),
-        "metrics": model.metrics_names,
-    }
-    state = {str(i): keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.optimizer.variables)}
-    model.fit(data["x"], data["y"], batch_size=64, shuffle=False, verbose=0)
-    weights = {str(i): keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.weights)}
-    np.savez(out + ".state.npz", **state)
-    np.savez(out + ".weights.npz", **weights)
-    with open(out, "w") as f:
-        json.dump(result, f)
+    arguments = sys.argv[1:]
+    for i in range(0, len(arguments), 3):
+        path, out, x_path = arguments[i : i + 3]
+        model = keras.saving.load_model(path)
+        data = np.load(x_path)
+        result = {
+            "class": type(model).__name__,
+            "keras_parallel_imported": "keras_parallel" in sys.modules,
+            "loss": model.loss,
+            "optimizer": type(model.optimizer).__name__,
+            "learning_rate": float(model.optimizer.learning_rate.numpy()),
+            "evaluate": model.evaluate(data["x"], data["y"], verbose=0),
+            "metrics": model.metrics_names,
+        }
+        state = {str(i): keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.optimizer.variables)}
+        model.fit(data["x"], data["y"], batch_size=64, shuffle=False, verbose=0)
+        weights = {str(i): keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.weights)}
+        np.savez(out + ".state.npz", **state)
+        np.savez(out + ".weights.npz", **weights)
+        with open(out, "w") as f:
+            json.dump(result, f)
     """
 )
+PLAIN_OPTIMIZERS = ["sgd", "adam"]
 
 
-@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
-def test_plain_process_without_the_class_loads_a_keras_model(tmp_path, optimizer_name):
-    model = trained(data_parallel(), optimizer_name)
-    path = tmp_path / "net.keras"
-    model.save(path)
-    x, y = next_batch()
-    np.savez(tmp_path / "batch.npz", x=x, y=y)
-    out = tmp_path / "result.json"
+@pytest.fixture(scope="module")
+def loaded_in_a_plain_process(tmp_path_factory):
+    """`{optimizer: (model, its batch, folder)}`, each loaded by one plain process."""
+    folder = tmp_path_factory.mktemp("plain")
+    saved, arguments = {}, []
+    for name in PLAIN_OPTIMIZERS:
+        model = trained(data_parallel(), name)
+        model.save(folder / f"{name}.keras")
+        x, y = next_batch()
+        np.savez(folder / f"{name}.npz", x=x, y=y)
+        saved[name] = (model, (x, y), folder / f"{name}.json")
+        arguments += [folder / f"{name}.keras", folder / f"{name}.json"]
+        arguments.append(folder / f"{name}.npz")
     env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
     run = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PLAIN_LOAD,
-            str(path),
-            str(out),
-            str(tmp_path / "batch.npz"),
-        ],
+        [sys.executable, "-c", PLAIN_LOAD, *map(str, arguments)],
         env=env,
-        cwd=tmp_path,
+        cwd=folder,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return saved
+
+
+@pytest.mark.parametrize("optimizer_name", PLAIN_OPTIMIZERS)
+def test_plain_process_without_the_class_loads_a_keras_model(
+    loaded_in_a_plain_process, optimizer_name
+):
+    model, (x, y), out = loaded_in_a_plain_process[optimizer_name]
     result = json.loads(out.read_text())
 
     assert result["class"] == "Functional"

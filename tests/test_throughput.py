@@ -135,7 +135,7 @@ def _distributed_epoch():
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch ranks")
 def test_torch_ranks_count_the_global_batch_and_every_rank():
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     for samples, devices in launch(_distributed_epoch, 2, timeout=120):
         assert samples == ROWS  # Not a rank's half.

@@ -30,7 +30,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     names = list(CASES)
     results = launch(
@@ -137,7 +137,7 @@ def test_each_rank_maps_about_half_a_tf_data_pipelines_rows(two_ranks, one_proce
 
 
 def test_a_rank_whose_pipeline_raises_is_the_one_reported():
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     with pytest.raises(RuntimeError, match="batch 3 could not be decoded") as raised:
         launch(workers.pipeline_fails_on_rank_1, 2, timeout=120, collective_timeout=30)

@@ -29,7 +29,7 @@ LAUNCH_TIMEOUT = 240
 
 
 def _launch(fn, n, args=(), **kwargs):
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     kwargs.setdefault("timeout", LAUNCH_TIMEOUT)
     kwargs.setdefault("collective_timeout", 60)

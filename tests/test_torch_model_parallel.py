@@ -72,7 +72,7 @@ SAVED = "mlp_epoch_2x2"
 
 
 def _launch(fn, n, args=(), **kwargs):
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     kwargs.setdefault("timeout", 300)
     kwargs.setdefault("collective_timeout", 60)

@@ -32,7 +32,7 @@ SHARDS = ("full", "optimizer")
 
 
 def _launch(fn, n, args=()):
-    from keras_parallel.launcher.torch_processes import launch
+    from torch_launch import launch
 
     return launch(fn, n, args=args, timeout=400, collective_timeout=60)
 
