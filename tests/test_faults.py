@@ -2,8 +2,9 @@
 
 `tests/resume_script.py` trains with `keras.callbacks.BackupAndRestore`, a
 shuffled uneven epoch and seeded dropout. It is killed in the middle of
-epoch 2 (every process with SIGKILL; one process with SIGKILL; the launcher
-with SIGTERM or SIGINT), and
+epoch 2 (the launcher with SIGKILL, which gives it no chance to end its
+processes: they end with it, by the kernel's SIGKILL; one process with
+SIGKILL; the launcher with SIGTERM or SIGINT), and
 
 - every process ends within the time allowed, the launcher exits non-zero
   naming the rank, and no process is left (counted);
@@ -74,8 +75,10 @@ def run(processes, *args):
     return result
 
 
-def kill_every_process_at_killpoint(processes, out, backup):
-    """Starts the run, waits for process 0 at the kill point, SIGKILLs all."""
+def kill_the_launcher_at_killpoint(processes, out, backup):
+    """Starts the run, waits for process 0 at the kill point, SIGKILLs the
+    launcher alone (as the OOM killer or `kill -9` would): every process
+    it started must end with it, within 10 s (`launcher/parent_death.py`)."""
     process = subprocess.Popen(
         command(processes, out, backup, "wait"),
         env=checkout_env(KERAS_BACKEND=BACKEND),
@@ -90,18 +93,20 @@ def kill_every_process_at_killpoint(processes, out, backup):
             assert process.poll() is None, process.stderr.read()[-4000:]
             assert time.monotonic() < deadline, "never reached the kill point"
             time.sleep(0.2)
+        ranks = [pid for pid in running(str(out)) if pid != process.pid]
+        assert len(ranks) == processes, ranks
+        process.kill()
+        process.wait(timeout=30)
+        left = gone(str(out), timeout=10)
+    finally:
+        # Whatever is left is ended here, so that a failure leaves nothing.
         for pid in running(str(out)):
             os.kill(pid, signal.SIGKILL)
-        process.wait(timeout=30)
-    finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         process.stderr.close()
-    # Orphaned by the launcher's death, the processes end on their own time
-    # (seen: one still there right after the kill, in a soak run beside a
-    # large pip install).
-    assert gone(str(out)) == []
+    assert left == [], f"still running 10 s after their launcher was killed: {left}"
 
 
 def final_weights(out):
@@ -206,9 +211,13 @@ def resume_and_compare(out, backup, uninterrupted):
 
 
 @jax_and_torch
-def test_every_process_killed_resumes_exactly(tmp_path, uninterrupted):
+def test_a_killed_launcher_takes_every_process_with_it_and_the_run_resumes_exactly(
+    tmp_path, uninterrupted
+):
+    # Every process ends by SIGKILL, the kernel's (its launcher's death):
+    # the backup they left resumes exactly.
     backup = tmp_path / "backup"
-    kill_every_process_at_killpoint(2, tmp_path, backup)
+    kill_the_launcher_at_killpoint(2, tmp_path, backup)
     resume_and_compare(tmp_path, backup, uninterrupted)
     expected, _ = uninterrupted
     initial = [np.asarray(w) for w in __import__("resume_script").build().get_weights()]

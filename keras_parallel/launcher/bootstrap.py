@@ -10,12 +10,15 @@ import runpy
 import sys
 import traceback
 
+from keras_parallel.launcher import parent_death
 from keras_parallel.launcher.supervisor import BROKEN_COLLECTIVE_EXIT_CODE
 from keras_parallel.persistence.preemption_settings import PREEMPTED_EXIT_CODE
 
 
 def main(argv=None):
     """Starts the runtime, then runs `argv[0]` with `argv` as `sys.argv`."""
+    # First: a launcher killed outright must not leave this process running.
+    parent_death.end_with_launcher()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         raise SystemExit("usage: python -m keras_parallel.launcher.bootstrap script.py")

@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 from keras_parallel import keras_config
-from keras_parallel.launcher import bootstrap, supervisor
+from keras_parallel.launcher import bootstrap, parent_death, supervisor
 from keras_parallel.launcher.checks import check_positive, check_script
 
 _USAGE = (
@@ -106,6 +106,8 @@ def main(argv=None):
         # Each rank a preemption stopped leaves a file here (`bootstrap`):
         # torchrun, stopped by the same signal, reports no rank's exit code.
         os.environ[bootstrap.PREEMPTED_MARKS_ENV] = marks
+        # torchrun's agent runs here: the ranks are this process's children.
+        parent_death.mark_launcher(os.environ)
         code = _run_torchrun(run, torchrun_args, SignalException, ChildFailedError)
         if code != 0 and _every_rank_preempted(marks, torchrun_args):
             print(

@@ -87,10 +87,11 @@ def _process_env(env, attempt):
     processes must join each other, not run alone as a joined process's
     children (`cluster_join.may_join`)."""
     from keras_parallel.cluster_join import JOINED_PID_VAR
+    from keras_parallel.launcher import parent_death
 
     env = {k: v for k, v in env.items() if k != JOINED_PID_VAR}
     env[RESTART_ENV] = str(attempt)
-    return env
+    return parent_death.mark_launcher(env)
 
 
 def _wait(processes, stopped, label):

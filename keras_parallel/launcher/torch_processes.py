@@ -152,6 +152,10 @@ def launch(
 
 def _child(fn, args, rank, env, threads, results):
     """The body of one launched process: run `fn`, report, exit."""
+    from keras_parallel.launcher import parent_death
+
+    # A launching process killed outright must not leave its ranks running.
+    parent_death.end_with_parent()
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     code = 0
