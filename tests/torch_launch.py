@@ -15,6 +15,7 @@ a rank's environment passes it through `launch`'s own options
 (`collective_timeout`) or starts its ranks with `spawn`.
 """
 
+import functools
 import multiprocessing
 
 #: Imported once, in the server, for every rank forked from it.
@@ -28,16 +29,13 @@ PRELOAD = [
     "keras_parallel.backends.torch.executor",
 ]
 
-_context = None
 
-
-def _forkserver():
-    global _context
-    if _context is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        _context = context
-    return _context
+@functools.cache
+def _preloading_forkserver():
+    """The `forkserver` context, told once what its server imports."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
 
 
 def launch(fn, num_processes, args=(), **kwargs):
@@ -52,7 +50,7 @@ def launch(fn, num_processes, args=(), **kwargs):
     """
     from keras_parallel.launcher.torch_processes import launch as keras_launch
 
-    _forkserver()
+    _preloading_forkserver()
     return keras_launch(
         fn, num_processes, args=args, start_method="forkserver", **kwargs
     )
