@@ -184,8 +184,20 @@ def test_guide_convnet_trains_as_data_parallel_and_one_device(mode):
     # BatchNorm betas by step 10 under plain DataParallel too (measured),
     # a property of float32 and Adam that the MLP test above does not meet.
     assert max_relative_difference(convnet_weights(None, 1)[0], weights) < 3e-5
+    # By step 10 those roundings have grown with the CPU's kernels: "full"
+    # against plain DataParallel was 7e-6 on AVX-512 / AMX, and 2.7e-3 in
+    # a convolution kernel on an AMD EPYC without AVX-512 (2026-12-02),
+    # where plain DataParallel itself was 6.4e-3 from one device. So ten
+    # steps are held to plain DataParallel's own distance from one device:
+    # sharding strays no further from it than distribution does, and a
+    # sharded weight or slot left unwritten strays by a training step. The
+    # exact ten steps are the MLP's (1e-4 from one device:
+    # test_adam_steps_equal_one_device_and_hold_an_eighth), whose sums
+    # round alike on every CPU measured.
     ten_steps = convnet_weights(mode, 10)[0]
-    assert max_relative_difference(convnet_weights(None, 10)[0], ten_steps) < 1e-4
+    plain = convnet_weights(None, 10)[0]
+    drift = max_relative_difference(convnet_weights("one device", 10)[0], plain)
+    assert max_relative_difference(plain, ten_steps) <= max(drift, 1e-4)
     sharded = {v.path: v for v in plan.variables if "batch" in v.axes}
     # The convolution kernels of 10368 and 27648 elements and the hidden
     # Dense kernel (8192): under "full" with their slots, else slots only.
