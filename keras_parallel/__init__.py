@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Auto": "keras_parallel.auto",
+    "ChiefWriteError": "keras_parallel.errors",
     "DataParallel": "keras_parallel.distribution",
     "DistributedModel": "keras_parallel.model",
     "ModelParallel": "keras_parallel.distribution",

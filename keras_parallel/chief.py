@@ -2,7 +2,9 @@
 
 Every rank runs Keras's callbacks on the same global logs, so `EarlyStopping`
 decides alike everywhere; the progress bar and file writers are taken out on
-the other ranks, and `model.save` after `fit` writes one file.
+the other ranks, and `model.save` after `fit` writes one file. What rank 0
+writes in a call is in place when the call returns on any rank
+(`chief_writes`).
 """
 
 from keras import callbacks
@@ -50,35 +52,132 @@ class ChiefOnlyCallbacks:
 
 
 class ChiefOnlySaving(TrainerMixin):
-    """On a process other than 0, `save` and `save_weights` write nothing.
+    """On a process other than 0, `save` and `save_weights` write nothing,
+    and return once process 0's file is written.
 
     Where saving is a collective (JAX across processes), the process joins it
     (`model._kp_collective_saving`, the executor's `checkpoint_io.saving`).
+    `model._kp_chief_writes` (a `ChiefWrites`, or None for one process)
+    waits for process 0's record of the same call.
     """
 
     def save(self, *args, **kwargs):
-        return _join_without_writing(self)
+        return _join_without_writing(self, _path(args, kwargs))
 
     def save_weights(self, *args, **kwargs):
-        return _join_without_writing(self)
+        return _join_without_writing(self, _path(args, kwargs))
 
 
-def _join_without_writing(model):
-    saving = model._kp_collective_saving
-    if saving is not None:
-        with saving(model):
-            pass  # This rank's part of the collective; rank 0 writes.
+def _join_without_writing(model, path):
+    with _writing(model, path):
+        saving = model._kp_collective_saving
+        if saving is not None:
+            with saving(model):
+                pass  # This rank's part of the collective; rank 0 writes.
     return None
 
 
-def chief_only_saving(model, saving=None):
+class ChiefSaving(TrainerMixin):
+    """On process 0 of several, `save` and `save_weights` tell the other
+    processes once the file is written, or that writing it failed
+    (`model._kp_chief_writes`)."""
+
+    def save(self, *args, **kwargs):
+        with _writing(self, _path(args, kwargs)):
+            return super().save(*args, **kwargs)
+
+    def save_weights(self, *args, **kwargs):
+        with _writing(self, _path(args, kwargs)):
+            return super().save_weights(*args, **kwargs)
+
+
+def _path(args, kwargs):
+    return args[0] if args else kwargs.get("filepath")
+
+
+def _writing(model, path):
+    import contextlib
+
+    writes = model._kp_chief_writes
+    if writes is None:
+        return contextlib.nullcontext()
+    return writes.writing("save", path)
+
+
+def chief_saving(model, writes):
+    """Makes process 0's `model.save` and `save_weights` tell the others
+    when the file is written (`ChiefSaving`).
+
+    Args:
+        model: the model of process 0.
+        writes: the run's `ChiefWrites`.
+
+    Returns:
+        A function that undoes it.
+    """
+    return swap_class(model, ChiefSaving, _kp_chief_writes=writes)
+
+
+class FitWrites(callbacks.Callback):
+    """Last in each run's callbacks: at the end of `fit`, process 0 says
+    that what its callbacks wrote (a `ModelCheckpoint`'s files) is in
+    place; every other process waits for that before `fit` returns."""
+
+    async_safe = True  # No batch hook.
+
+    def __init__(self, writes):
+        super().__init__()
+        self.writes = writes
+
+    def on_train_end(self, logs=None):
+        with self.writes.writing("fit"):
+            pass  # The chief's callbacks wrote before this, the last one.
+
+
+class ChiefWritesInFit:
+    """Puts a `FitWrites` last in each run's callbacks (every process of
+    several), installed while an entry point runs, as `ChiefOnlyCallbacks`;
+    meanwhile a save (a callback's) is left to the end of `fit`.
+
+    Args:
+        writes: the run's `ChiefWrites`.
+        model: the model whose run may be under way at `install`.
+    """
+
+    def __init__(self, writes, model=None):
+        self.writes = writes
+        self.model = model
+        self._remove = None
+
+    def install(self):
+        self._entry_point = self.writes.entry_point()
+        self._entry_point.__enter__()
+        self._remove = callback_lists.add_handler(
+            lambda callback_list: callback_lists.append_callback(
+                callback_list, FitWrites(self.writes)
+            ),
+            model=self.model,
+        )
+
+    def uninstall(self):
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
+            self._entry_point.__exit__(None, None, None)
+
+
+def chief_only_saving(model, saving=None, writes=None):
     """Makes `model.save` and `save_weights` write nothing on this (non-chief) rank.
 
     Args:
         saving: the executor's `checkpoint_io.saving(model)`, entered instead of writing
             where saving is a collective (JAX across processes).
+        writes: the run's `ChiefWrites`: each call returns once process 0
+            wrote its file (None: at once).
 
     Returns:
         A function that undoes it.
     """
-    return swap_class(model, ChiefOnlySaving, _kp_collective_saving=saving)
+    return swap_class(
+        model, ChiefOnlySaving, _kp_collective_saving=saving, _kp_chief_writes=writes
+    )

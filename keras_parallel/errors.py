@@ -32,5 +32,12 @@ class ClusterJoinError(RuntimeError):
     """
 
 
+class ChiefWriteError(RuntimeError):
+    """Process 0 failed to write the file a call writes (`model.save`,
+    `save_weights`, a `ModelCheckpoint` in `fit`): raised by the same call
+    on every other process, naming the file and process 0's error
+    (`chief_writes`)."""
+
+
 class ShardingWarning(UserWarning):
     """A variable that `shard=` leaves whole although it is large."""

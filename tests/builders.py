@@ -140,3 +140,21 @@ def sharding_ops(model, x, y):
         for line in lowered.as_text().splitlines()
         if "sharding_constraint" in line or "@Sharding" in line
     ]
+
+
+def slow_writes(seconds=0.5):
+    """From now on this process's `save` and `save_weights` land `seconds`
+    late, as on a slow file system: another process that returned before
+    they were written would not find the files."""
+    import time
+
+    import keras
+
+    for name in ("save", "save_weights"):
+        write = getattr(keras.Model, name)
+
+        def late(self, *args, _write=write, **kwargs):
+            time.sleep(seconds)
+            return _write(self, *args, **kwargs)
+
+        setattr(keras.Model, name, late)

@@ -91,7 +91,10 @@ def train(model, case, callbacks=()):
 def main(out, cases):
     import case_batches
     import jax
+    from builders import slow_writes
 
+    if jax.process_index() == 0:
+        slow_writes()  # A process that returned early would find no file.
     case_batches.serve(out, cases.split(","), run_case, jax.process_index())
 
 
@@ -116,14 +119,21 @@ def run_case(out, case):
         # Process 1 asks for ModelParallel, process 0 for DataParallel.
         case = "model_parallel_one_step" if process == 1 else "data_parallel_one_step"
     model = build(case, seed=1 + process)
+    checkpoint_path = os.path.join(out, "checkpoint.weights.h5")
     checkpoint = keras.callbacks.ModelCheckpoint(
-        os.path.join(out, "checkpoint.weights.h5"), save_weights_only=True
+        checkpoint_path, save_weights_only=True
     )
     history = train(model, case, callbacks=[Boom(), checkpoint])
+    # What process 0 wrote in `fit` is there when `fit` returns, here too.
+    checkpoint_there = os.path.exists(checkpoint_path)
     # Every process saves (a collective where variables span processes);
-    # process 0 alone writes.
+    # process 0 alone writes, and the call returns once it has.
     model.save(os.path.join(out, "model.keras"))
+    loaded = keras.saving.load_model(os.path.join(out, "model.keras"))
     weights = model.get_weights()  # Whole on every process.
+    loaded_as_saved = all(
+        np.array_equal(a, b) for a, b in zip(loaded.get_weights(), weights, strict=True)
+    )
     np.savez(os.path.join(out, f"weights{process}.npz"), *weights)
     x, y = data()
     np.save(
@@ -146,6 +156,8 @@ def run_case(out, case):
         "kernel_shards": [list(s.data.shape) for s in kernel.addressable_shards],
         "devices": len(jax.devices()),
         "local_devices": len(jax.local_devices()),
+        "checkpoint_there_after_fit": checkpoint_there,
+        "loaded_as_saved": loaded_as_saved,
     }
     if case.startswith("model_parallel"):
         from builders import sharding_ops

@@ -40,17 +40,22 @@ class Net(keras_parallel.DistributedModel, keras.Model):
     pass
 
 
-def build(distributed=True, probe=False):
+def build(distributed=True, probe=False, devices=None, dropout=True):
+    """The model, compiled; `devices`: those its `DataParallel` spans
+    (default: every one)."""
     keras.utils.set_random_seed(1)
     inputs = keras.Input((16,))
     x = split_probe.probe()(inputs) if probe else inputs
     x = keras.layers.Dense(32, activation="relu", name="d1")(x)
-    x = keras.layers.Dropout(0.3, seed=3)(x)
+    if dropout:
+        x = keras.layers.Dropout(0.3, seed=3)(x)
     model = Net(inputs, keras.layers.Dense(8, name="d2")(x), name="net")
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
         loss="mse",
-        distribution=keras_parallel.DataParallel() if distributed else None,
+        distribution=(
+            keras_parallel.DataParallel(devices=devices) if distributed else None
+        ),
     )
     return model
 

@@ -11,17 +11,29 @@ import subprocess
 import time
 
 
-def checkout_env(**variables):
+def checkout_env(scikit_learn=False, **variables):
     """`os.environ` plus `variables`, importing this checkout's keras_parallel.
 
     The keras_parallel the tests imported comes first on `PYTHONPATH`, also
     when the tests run from a checkout rather than an installed package.
+
+    Args:
+        scikit_learn: whether the processes may import scikit-learn. Keras
+            imports it at start when installed (its wrappers), about 30 % of
+            a JAX process's import; only the demo's digits need it, so
+            without it a `sklearn` that refuses to import comes first on the
+            path (tests/without_scikit_learn), and Keras does without, as
+            where scikit-learn is not installed.
+        **variables: environment variables to set.
     """
     import keras_parallel
 
     root = os.path.dirname(os.path.dirname(keras_parallel.__file__))
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")])
+    folders = [root, here]
+    if not scikit_learn:
+        folders.insert(0, os.path.join(here, "without_scikit_learn"))
+    path = os.pathsep.join([*folders, os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, PYTHONPATH=path, **variables)
 
 

@@ -113,8 +113,24 @@ def run_case(out, name, model, one_step, process, replicas_per_worker):
     RECORDED.clear()
     # Progress and files: worker 0's only (the tests count them).
     log = keras.callbacks.CSVLogger(os.path.join(out, f"{name}_log{process}.csv"))
-    history = train(model, one_step, callbacks=[log], verbose=2)
+    checkpoint_path = os.path.join(out, f"{name}_checkpoint.weights.h5")
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        checkpoint_path, save_weights_only=True
+    )
+    history = train(model, one_step, callbacks=[log, checkpoint], verbose=2)
     rows = rows_per_step(list(RECORDED), replicas_per_worker)
+    # Worker 0's files land late (`slow_writes`): `fit` and `model.save`
+    # return once they are in place, on every worker.
+    checkpoint_there = os.path.exists(checkpoint_path)
+    shared = os.path.join(out, f"{name}_model.keras")
+    model.save(shared)
+    loaded = keras.saving.load_model(
+        shared, custom_objects={"Recorder": Recorder, "Net": Net}
+    )
+    loaded_as_saved = all(
+        np.array_equal(a, b)
+        for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True)
+    )
     model.save(os.path.join(out, f"{name}_model{process}.keras"))
     np.savez(os.path.join(out, f"{name}_weights{process}.npz"), *model.get_weights())
     x, y = data()
@@ -128,6 +144,8 @@ def run_case(out, name, model, one_step, process, replicas_per_worker):
         "loss": history.history["loss"],
         "evaluation": {k: float(v) for k, v in evaluation.items()},
         "describe": keras_parallel.describe(model),
+        "checkpoint_there_after_fit": checkpoint_there,
+        "loaded_as_saved": loaded_as_saved,
     }
 
 
@@ -137,6 +155,10 @@ def main(out, case):
     strategy = workers.strategy()
     process = strategy.worker_index
     local = len(strategy.extended.worker_devices)
+    if process == 0:
+        from builders import slow_writes
+
+        slow_writes()
     np.random.seed(5 + process)  # The shuffle must still be worker 0's.
 
     class Boom(keras.callbacks.Callback):

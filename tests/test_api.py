@@ -12,6 +12,7 @@ PUBLIC = [
     "Auto",
     "DataParallel",
     "DistributedModel",
+    "ChiefWriteError",
     "ModelParallel",
     "PREEMPTED_EXIT_CODE",
     "Preempted",

@@ -175,6 +175,52 @@ def test_damaged_backup_is_named_or_falls_back_to_the_previous(tmp_path, uninter
     assert_same(weights(model), uninterrupted)
 
 
+@pytest.mark.skipif(
+    BACKEND == "torch", reason="one device per process: ranks in test_faults"
+)
+def test_a_backup_resumes_on_half_the_devices_as_the_uninterrupted_run(
+    tmp_path, uninterrupted, capsys
+):
+    # Interrupted mid-epoch on every device (8 on JAX; TensorFlow's 4
+    # logical devices), resumed on half of them: the same global batches,
+    # split otherwise, end with the uninterrupted run's weights on the
+    # first devices (to the rounding of sums split otherwise), and the run
+    # says where it resumed. TensorFlow's replicas draw a Dropout mask each,
+    # so its masks change with the number of replicas (docs/checkpoints.md):
+    # its model has none.
+    from split_probe import assert_divided, clear, records
+
+    dropout = BACKEND != "tensorflow"
+    devices = keras.distribution.list_devices()
+    fewer = devices[: len(devices) // 2]
+    expected = uninterrupted
+    if not dropout:
+        reference = resume_script.build(devices=devices, dropout=False)
+        fit(reference)
+        expected = weights(reference)
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(
+            resume_script.build(devices=devices, dropout=dropout),
+            [
+                keras.callbacks.BackupAndRestore(directory, save_freq=2),
+                Interrupt((2, 3)),
+            ],
+        )
+    capsys.readouterr()
+    model = resume_script.build(probe=True, devices=fewer, dropout=dropout)
+    clear()
+    fit(model, [keras.callbacks.BackupAndRestore(directory, save_freq=2)])
+    assert_divided(records(), 32, len(fewer))
+    for a, b in zip(weights(model), expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert (
+        f"keras_parallel: resumed in epoch 3 after 4 batches, from a backup made "
+        f"on {len(devices)} devices in 1 process; now {len(fewer)} devices in 1 "
+        "process"
+    ) in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("door", ["model", "callback"])
 def test_mid_epoch_backup_resumes_after_the_batches_it_trained(
     tmp_path, uninterrupted, door

@@ -362,7 +362,7 @@ def test_block_runs_as_written(block, tmp_path):
         command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
         command += ["--backend", BACKEND, "--nproc-per-node", str(directives["launch"])]
         command += [str(script)]
-    env = checkout_env(KERAS_BACKEND=BACKEND)
+    env = checkout_env(scikit_learn=True, KERAS_BACKEND=BACKEND)
     try:
         result = run_in_session(command, env, TIMEOUT_S, cwd=tmp_path)
     except subprocess.TimeoutExpired:
@@ -414,7 +414,7 @@ def test_shell_commands_name_real_subcommands_and_options():
                 capture_output=True,
                 text=True,
                 timeout=120,
-                env=checkout_env(KERAS_BACKEND=BACKEND),
+                env=checkout_env(scikit_learn=True, KERAS_BACKEND=BACKEND),
             )
             assert result.returncode == 0, f"{where}: {words}\n{result.stderr}"
             helps[words[0]] = result.stdout

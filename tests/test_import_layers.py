@@ -32,6 +32,7 @@ LAYERS = (
         "first_batch",
         "callback_lists",
         "chief",
+        "chief_writes",
         "keras_config",
         "cluster_environments",
         "input",

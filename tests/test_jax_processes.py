@@ -140,6 +140,19 @@ def test_saved_files_load_on_one_device(launched, case):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("case", EQUIVALENCE_CASES)
+def test_what_process_0_wrote_is_there_for_every_process_when_the_call_returns(
+    launched, case
+):
+    # Process 0's writes land half a second late (a slow file system):
+    # `fit` with a `ModelCheckpoint`, and `model.save`, return on process 1
+    # only once they are in place; `load_model` right after `save` reads
+    # the weights saved, on every process.
+    _, infos = results(launched[case].check())
+    assert [info["checkpoint_there_after_fit"] for info in infos] == [True, True]
+    assert [info["loaded_as_saved"] for info in infos] == [True, True]
+
+
 def test_model_axis_across_processes_splits_the_kernel_between_them(launched):
     _, infos = results(launched["model_parallel_across_one_step"].check())
     for info in infos:

@@ -195,13 +195,26 @@ def test_worker_0_alone_prints_and_writes_files(launched):
     stdout = result.stdout
     written = sorted(f for f in os.listdir(directory) if not f.startswith("info"))
     names = ("log0.csv", "model0.keras", "predictions0.npy", "predictions1.npy")
-    names += ("weights0.npz", "weights1.npz")
+    names += ("weights0.npz", "weights1.npz", "checkpoint.weights.h5", "model.keras")
     assert written == sorted(f"{case}_{name}" for case in CASES for name in names)
     # One progress line per fit (verbose=2 prints one per epoch).
     assert stdout.count("1/1 - ") == 1 and stdout.count("16/16 - ") == 1, stdout
     # The workers do not divide the input yet, and worker 0 says so, once.
     line = "Input: arrays, read whole by each of 2 processes, each keeping its rows"
     assert stdout.count(line) == 1, stdout
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_what_worker_0_wrote_is_there_for_every_worker_when_the_call_returns(
+    launched, case
+):
+    # Worker 0's writes land half a second late (a slow file system): `fit`
+    # with a `ModelCheckpoint`, and `model.save`, return on worker 1 only
+    # once they are in place; `load_model` right after `save` reads the
+    # weights saved, on every worker.
+    _, infos, _ = launched
+    assert [info[case]["checkpoint_there_after_fit"] for info in infos] == [True] * 2
+    assert [info[case]["loaded_as_saved"] for info in infos] == [True, True]
 
 
 def test_tensorflow_start_up_info_lines_are_quiet(launched):

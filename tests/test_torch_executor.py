@@ -476,10 +476,18 @@ def test_rank_zero_alone_prints_and_writes(tmp_path, built):
     # Planned in fit: the plan, and what only rank 0 runs, come after Keras
     # made the run's callbacks; they are taken out of that run too.
     outputs = _launch(workers.chief_writes, 2, args=(str(tmp_path), built))
-    printed = [text for text, _ in outputs]
+    printed = [text for text, _, _ in outputs]
     assert "cpu:1" in printed[0] and "loss" in printed[0]  # Plan, progress.
     assert printed[1].strip() == ""
-    for _, names in outputs:
+    # Rank 0's writes land half a second late: `fit` (its ModelCheckpoint)
+    # and `model.save` return on rank 1 once they are in place, and
+    # `load_model` right after `save` reads the weights saved.
+    for rank, (_, _, found) in enumerate(outputs):
+        assert found == {"checkpoint_after_fit": True, "loaded_as_saved": True}, (
+            rank,
+            found,
+        )
+    for _, names, _ in outputs:
         # Written once, by rank 0: rank 1's own CSV, model and weights paths
         # were never written.
         assert names == [

@@ -466,11 +466,14 @@ def sleep_forever():
 def chief_writes(directory, built=True):
     """Fits with progress, CSVLogger, ModelCheckpoint, then model.save.
 
-    Returns what this rank printed and the files in `directory` after a
-    barrier (so rank 1 sees rank 0's files). Each rank names its CSV log
-    for itself (`log-<rank>.csv`): a rank that wrote would leave its own.
-    With `built=False` the model is a Sequential without an input shape,
-    built and planned inside its first `fit`, after Keras made the run's
+    Returns what this rank printed, the files in `directory` after a
+    barrier (so rank 1 sees rank 0's files), and what this rank found
+    before it: the checkpoint right after `fit`, the weights `load_model`
+    read right after `model.save`. Rank 0's writes land half a second late
+    (`builders.slow_writes`). Each rank names its CSV log for itself
+    (`log-<rank>.csv`): a rank that wrote would leave its own. With
+    `built=False` the model is a Sequential without an input shape, built
+    and planned inside its first `fit`, after Keras made the run's
     callbacks.
     """
     import contextlib
@@ -478,8 +481,13 @@ def chief_writes(directory, built=True):
 
     keras = _keras()
     import torch.distributed as dist
+    from builders import slow_writes
 
     import keras_parallel
+
+    if os.environ["RANK"] == "0":
+        slow_writes()
+    found = {}
 
     x, y = make_data(256)
     if built:
@@ -506,13 +514,24 @@ def chief_writes(directory, built=True):
                 keras.callbacks.ModelCheckpoint(os.path.join(directory, "model.keras")),
             ],
         )
+        found["checkpoint_after_fit"] = os.path.exists(
+            os.path.join(directory, "model.keras")
+        )
         model.save(os.path.join(directory, "model.keras"))
+        # Uncompiled: the metric `RowCount` is a class of this function's.
+        loaded = keras.saving.load_model(
+            os.path.join(directory, "model.keras"), compile=False
+        )
+        found["loaded_as_saved"] = all(
+            np.array_equal(a, b)
+            for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True)
+        )
         # Each rank's own paths: only rank 0's may appear.
         rank = os.environ["RANK"]
         model.save(os.path.join(directory, f"saved-{rank}.keras"))
         model.save_weights(os.path.join(directory, f"saved-{rank}.weights.h5"))
     dist.barrier()
-    return printed.getvalue(), sorted(os.listdir(directory))
+    return printed.getvalue(), sorted(os.listdir(directory)), found
 
 
 # ------------------------------------------- custom train_step (the guide)

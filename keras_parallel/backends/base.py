@@ -355,6 +355,15 @@ class Executor(abc.ABC):
         self._single_process_only("key-value store")
         return LocalStore()
 
+    def chief_writes(self):
+        """The run's `ChiefWrites` (what process 0 wrote, told to the
+        others through the store), or None for one process."""
+        if self.num_processes == 1:
+            return None
+        from keras_parallel.chief_writes import ChiefWrites
+
+        return ChiefWrites(self.key_value_store(), self.is_chief)
+
     def share_host_random_state(self):
         """Gives every process process 0's host random state.
 

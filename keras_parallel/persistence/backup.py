@@ -173,6 +173,7 @@ def _save(callback, executor):
             "weights": weights_name,
             "random_state": state,
             "steps_done": steps_done,
+            "topology": _topology(executor),
         },
     }
     if not executor.is_chief:
@@ -239,6 +240,49 @@ def _restore(callback, metadata, executor):
             callback._last_batch_seen = steps_done - 1
             callback._batches_seen_since_last_saving = 0
     model._initial_epoch = metadata["epoch"]
+    if executor.is_chief:
+        print(resumed_line(metadata, executor), flush=True)
+
+
+def _topology(executor):
+    """The devices and processes a run trains on, as a backup records them."""
+    mesh = getattr(executor.distribution, "device_mesh", None)
+    devices = 1 if mesh is None else int(np.prod(mesh.shape))
+    return {"devices": devices, "processes": executor.num_processes}
+
+
+def _described(topology):
+    devices, processes = topology["devices"], topology["processes"]
+    return (
+        f"{devices} device{'s' * (devices != 1)} in {processes} "
+        f"process{'es' * (processes != 1)}"
+    )
+
+
+def resumed_line(metadata, executor):
+    """What a resumed run prints: where it resumed, from what, on what.
+
+    A backup resumes on another number of devices or processes (the same
+    global batch, split otherwise): the line says both.
+
+    Args:
+        metadata: the backup's `training_metadata.json`, read.
+        executor: the run's executor (its devices now).
+
+    Returns:
+        A line such as "keras_parallel: resumed in epoch 3 after 4 batches,
+        from a backup made on 8 devices in 1 process; now 4 devices in 1
+        process".
+    """
+    ours = metadata.get(METADATA_KEY) or {}
+    steps_done = ours.get("steps_done", 0)
+    where = f"in epoch {metadata['epoch'] + 1}"
+    if steps_done:
+        where += f" after {steps_done} batch{'es' * (steps_done != 1)}"
+    made = ours.get("topology")
+    made = _described(made) if made else "a topology it does not record"
+    now = _described(_topology(executor))
+    return f"keras_parallel: resumed {where}, from a backup made on {made}; now {now}"
 
 
 def _read_metadata(path):

@@ -32,7 +32,12 @@ from keras_parallel.backends.jax.planned_distribution import (
     PlannedDistribution,
     distribute_committed,
 )
-from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.chief import (
+    ChiefOnlyCallbacks,
+    ChiefWritesInFit,
+    chief_only_saving,
+    chief_saving,
+)
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
 
@@ -140,9 +145,12 @@ class JaxExecutor(Executor):
                 model(batch[0])
 
     def saving_swap(self, model):
-        if not processes.is_multi_process() or self.is_chief:
+        if not processes.is_multi_process():
             return None
-        return lambda: chief_only_saving(model, self.checkpoint_io.saving)
+        writes = self.chief_writes()
+        if self.is_chief:
+            return lambda: chief_saving(model, writes)
+        return lambda: chief_only_saving(model, self.checkpoint_io.saving, writes)
 
     @contextlib.contextmanager
     def planned_scope(self, model):
@@ -180,18 +188,22 @@ class JaxExecutor(Executor):
             donate=not self._on_cpu(),
         )
         replacements.replace(keras_jax_trainer, "jit", jit)
-        chief_only = None
+        chief_parts = []
         if processes.is_multi_process():
             # One shuffle for all processes: process 0's.
             self.share_host_random_state()
+            chief_parts.append(ChiefWritesInFit(self.chief_writes(), model=model))
             if not self.is_chief:
-                chief_only = ChiefOnlyCallbacks(collective_saving=True, model=model)
-                chief_only.install()
+                chief_parts.append(
+                    ChiefOnlyCallbacks(collective_saving=True, model=model)
+                )
+            for part in chief_parts:
+                part.install()
         try:
             yield
         finally:
-            if chief_only is not None:
-                chief_only.uninstall()
+            for part in reversed(chief_parts):
+                part.uninstall()
             replacements.restore()
             keras.distribution.set_distribution(previous)
 

@@ -27,7 +27,12 @@ from keras_parallel.backends.tensorflow.keras_compat import (
     DATA_ADAPTERS,
     ArrayDataAdapter,
 )
-from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.chief import (
+    ChiefOnlyCallbacks,
+    ChiefWritesInFit,
+    chief_only_saving,
+    chief_saving,
+)
 from keras_parallel.errors import ShardingError
 from keras_parallel.replacements import replaced
 
@@ -167,9 +172,10 @@ class TensorFlowExecutor(Executor):
         self._applied = True
 
     def saving_swap(self, model):
+        writes = self.chief_writes()
         if self.is_chief:
-            return None
-        return lambda: chief_only_saving(model)
+            return None if writes is None else lambda: chief_saving(model, writes)
+        return lambda: chief_only_saving(model, writes=writes)
 
     def build_from_batch(self, model, kind, batch):
         # Under the model's strategy (`scope` attached it), as Keras's own.
@@ -193,7 +199,7 @@ class TensorFlowExecutor(Executor):
                 saving_references.made_outside(),
                 strategy.scope(),
                 tf_exact.patched(model),
-                self._workers_scope(),
+                self._workers_scope(model),
             ):
                 yield
         finally:
@@ -211,7 +217,7 @@ class TensorFlowExecutor(Executor):
         return None
 
     @contextlib.contextmanager
-    def _workers_scope(self):
+    def _workers_scope(self, model):
         """Across workers: one shuffle (worker 0's), progress on worker 0."""
         workers = _workers()
         if workers is None:
@@ -221,9 +227,11 @@ class TensorFlowExecutor(Executor):
         if self.divided_input is None:
             store = tf_workers.CoordinationStore()
             self.divided_input = DividedInput(workers, store)
-        chief_only = None if self.is_chief else ChiefOnlyCallbacks()
-        if chief_only is not None:
-            chief_only.install()
+        chief_parts = [ChiefWritesInFit(self.chief_writes(), model=model)]
+        if not self.is_chief:
+            chief_parts.append(ChiefOnlyCallbacks())
+        for part in chief_parts:
+            part.install()
         try:
             with (
                 tf_workers.numpy_shuffles(ArrayDataAdapter),
@@ -234,8 +242,8 @@ class TensorFlowExecutor(Executor):
             # Readers still waiting for a worker's rows give up (an error
             # or a preemption ended the entry point mid-epoch).
             self.divided_input.close()
-            if chief_only is not None:
-                chief_only.uninstall()
+            for part in reversed(chief_parts):
+                part.uninstall()
 
     released_after_a_callback_run = True
 

@@ -30,7 +30,12 @@ from keras_parallel.backends.torch.model_parallel import MeshRunner, runs_on_mes
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
-from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.chief import (
+    ChiefOnlyCallbacks,
+    ChiefWritesInFit,
+    chief_only_saving,
+    chief_saving,
+)
 from keras_parallel.errors import ShardingError
 
 # Done when Keras is imported (`keras_parallel/__init__.py`), unless this
@@ -201,9 +206,12 @@ class TorchExecutor(Executor):
     def saving_swap(self, model):
         if self._mesh_runner is not None:
             return self._mesh_runner.saving_swap(model)
-        if not torch_group.is_distributed() or self.is_chief:
+        if not torch_group.is_distributed():
             return None
-        return lambda: chief_only_saving(model)
+        writes = self.chief_writes()
+        if self.is_chief:
+            return lambda: chief_saving(model, writes)
+        return lambda: chief_only_saving(model, writes=writes)
 
     def _start_ddp(self, model):
         self._ddp = self._make_ddp(model)
@@ -291,6 +299,8 @@ class TorchExecutor(Executor):
             self.distribution, DataParallel
         ):
             parts.append(SyncBatchNorm(model))
+        if torch_group.is_distributed():
+            parts.append(ChiefWritesInFit(self.chief_writes(), model=model))
         if not self.is_chief:
             parts.append(ChiefOnlyCallbacks(model=model))
         return parts

@@ -11,7 +11,12 @@ from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.mesh_steps import MeshSteps
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
-from keras_parallel.chief import ChiefOnlyCallbacks, chief_only_saving
+from keras_parallel.chief import (
+    ChiefOnlyCallbacks,
+    ChiefWritesInFit,
+    chief_only_saving,
+    chief_saving,
+)
 from keras_parallel.layout_keys import reference_of
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
@@ -123,8 +128,19 @@ class MeshRunner:
         ends with the run), the variables are still split, and a save is
         still a collective.
         """
-        swap = gathered_saving if self.executor.is_chief else chief_only_saving
-        return lambda: swap(model, self.executor.checkpoint_io.saving)
+        saving = self.executor.checkpoint_io.saving
+        writes = self.executor.chief_writes()
+        if not self.executor.is_chief:
+            return lambda: chief_only_saving(model, saving, writes)
+        if writes is None:
+            return lambda: gathered_saving(model, saving)
+
+        def gathered_and_told():
+            # Told after the write: `ChiefSaving` goes first in the class.
+            ends = [gathered_saving(model, saving), chief_saving(model, writes)]
+            return lambda: [end() for end in reversed(ends)]
+
+        return gathered_and_told
 
     def _make_usable(self, variable):
         # Outside an entry point too (after `fit` through either door), a
@@ -146,6 +162,9 @@ class MeshRunner:
     def scope_parts(self, model):
         """What `TorchExecutor.scope` installs while an entry point runs."""
         parts = [self.steps, StepLogPolicy(self.steps)]
+        writes = self.executor.chief_writes()
+        if writes is not None:
+            parts.append(ChiefWritesInFit(writes, model=model))
         if not self.executor.is_chief:
             parts.append(ChiefOnlyCallbacks(collective_saving=True, model=model))
         return parts
