@@ -226,17 +226,18 @@ def test_each_rank_draws_its_own_dropout_mask(seed):
 def test_the_models_class_holds_the_trainer_while_fit_runs(two_ranks):
     # fit, evaluate and predict run the model as a `TorchTrainer` subclass of
     # its own class, which `model.__class__` still shows; put back after each.
-    # Rank 1 writes no file for the model's distributed life
-    # (`ChiefOnlySaving`); a `ShardingCallback` run writes whole files
+    # For the model's distributed life rank 1 writes no file and waits for
+    # rank 0's (`ChiefOnlySaving`), and rank 0 tells it when its file is
+    # written (`ChiefSaving`); a `ShardingCallback` run writes whole files
     # (`AtomicSaving`).
     for name, ranks in two_ranks.items():
         callback = CASES[name].get("door") == "callback"
         own = "Functional" if callback else "Net"
         for rank in ranks:
-            chief_only = ["ChiefOnlySaving"] if rank["rank"] else []
+            chief = ["ChiefOnlySaving"] if rank["rank"] else ["ChiefSaving"]
             atomic = ["AtomicSaving"] if callback else []
-            during = [*atomic, "TorchTrainer", *chief_only, "TrainerMixin"]
-            after = [*chief_only, "TrainerMixin"] if chief_only else []
+            during = [*atomic, "TorchTrainer", *chief, "TrainerMixin"]
+            after = [*chief, "TrainerMixin"]
             assert rank["class_during_fit"] == (own, during), name
             assert rank["class_after"] == (own, after), name
 
