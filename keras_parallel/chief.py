@@ -181,3 +181,25 @@ def chief_only_saving(model, saving=None, writes=None):
     return swap_class(
         model, ChiefOnlySaving, _kp_collective_saving=saving, _kp_chief_writes=writes
     )
+
+
+def process_saving(model, executor, saving=None):
+    """The saving swap of one process of several (`Executor.saving_swap`).
+
+    Process 0 writes and tells the others (`ChiefSaving`); the others write
+    nothing and wait for its record (`ChiefOnlySaving`), joining `saving`
+    where saving is a collective.
+
+    Args:
+        model: this process's model.
+        executor: the run's executor (`is_chief`, `chief_writes`).
+        saving: the executor's `checkpoint_io.saving`, where saving is a
+            collective (JAX across processes); else None.
+
+    Returns:
+        A function that puts the swap in force and returns its undo.
+    """
+    writes = executor.chief_writes()
+    if executor.is_chief:
+        return lambda: chief_saving(model, writes)
+    return lambda: chief_only_saving(model, saving, writes)

@@ -35,8 +35,7 @@ from keras_parallel.backends.jax.planned_distribution import (
 from keras_parallel.chief import (
     ChiefOnlyCallbacks,
     ChiefWritesInFit,
-    chief_only_saving,
-    chief_saving,
+    process_saving,
 )
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
@@ -147,10 +146,7 @@ class JaxExecutor(Executor):
     def saving_swap(self, model):
         if not processes.is_multi_process():
             return None
-        writes = self.chief_writes()
-        if self.is_chief:
-            return lambda: chief_saving(model, writes)
-        return lambda: chief_only_saving(model, self.checkpoint_io.saving, writes)
+        return process_saving(model, self, self.checkpoint_io.saving)
 
     @contextlib.contextmanager
     def planned_scope(self, model):

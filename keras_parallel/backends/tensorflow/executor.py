@@ -30,8 +30,7 @@ from keras_parallel.backends.tensorflow.keras_compat import (
 from keras_parallel.chief import (
     ChiefOnlyCallbacks,
     ChiefWritesInFit,
-    chief_only_saving,
-    chief_saving,
+    process_saving,
 )
 from keras_parallel.errors import ShardingError
 from keras_parallel.replacements import replaced
@@ -172,10 +171,9 @@ class TensorFlowExecutor(Executor):
         self._applied = True
 
     def saving_swap(self, model):
-        writes = self.chief_writes()
-        if self.is_chief:
-            return None if writes is None else lambda: chief_saving(model, writes)
-        return lambda: chief_only_saving(model, writes=writes)
+        if self.num_processes == 1:
+            return None
+        return process_saving(model, self)
 
     def build_from_batch(self, model, kind, batch):
         # Under the model's strategy (`scope` attached it), as Keras's own.

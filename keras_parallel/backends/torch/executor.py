@@ -33,8 +33,7 @@ from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
 from keras_parallel.chief import (
     ChiefOnlyCallbacks,
     ChiefWritesInFit,
-    chief_only_saving,
-    chief_saving,
+    process_saving,
 )
 from keras_parallel.errors import ShardingError
 
@@ -208,10 +207,7 @@ class TorchExecutor(Executor):
             return self._mesh_runner.saving_swap(model)
         if not torch_group.is_distributed():
             return None
-        writes = self.chief_writes()
-        if self.is_chief:
-            return lambda: chief_saving(model, writes)
-        return lambda: chief_only_saving(model, writes=writes)
+        return process_saving(model, self)
 
     def _start_ddp(self, model):
         self._ddp = self._make_ddp(model)
