@@ -295,8 +295,11 @@ class TorchExecutor(Executor):
             self.distribution, DataParallel
         ):
             parts.append(SyncBatchNorm(model))
-        if torch_group.is_distributed():
-            parts.append(ChiefWritesInFit(self.chief_writes(), model=model))
+        # A group of one process (a single GPU's run) has no other process
+        # to tell of its writes.
+        writes = self.chief_writes()
+        if writes is not None:
+            parts.append(ChiefWritesInFit(writes, model=model))
         if not self.is_chief:
             parts.append(ChiefOnlyCallbacks(model=model))
         return parts
