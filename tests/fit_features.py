@@ -128,6 +128,15 @@ STEP_ONLY = (
     "steps run, and how a run starts and ends is tested by the rows without "
     "this note"
 )
+#: Why a ModelParallel column runs every case through the compile door
+#: alone: a door is how a run starts and ends, the column how variables and
+#: batches are laid out; the two do not meet inside a step. The
+#: `ShardingCallback` door runs every case in each backend's DataParallel
+#: column, and with a `ModelParallel` in tests/test_callback.py.
+MODEL_COLUMN_DOOR = (
+    "a ModelParallel column runs through the compile door; "
+    "`ShardingCallback` with `ModelParallel` is tested in tests/test_callback.py"
+)
 
 
 # ---------------------------------------------------------------- models

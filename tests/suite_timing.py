@@ -1,7 +1,8 @@
 """Where the suite's time goes: a pytest plugin, on when asked.
 
 `KERAS_PARALLEL_SUITE_TIMING=<file.json>` in the tests' environment (tox
-passes it through) writes, per test: its wall seconds (setup, call and
+passes it through; `{env}` in the name becomes tox's env name) writes,
+per test: its wall seconds (setup, call and
 teardown together), the processes it started (`subprocess.Popen` and
 `multiprocessing` starts, launchers and ranks alike, as seen from the
 test's process), the CPU seconds of this process and of the processes it
@@ -102,6 +103,9 @@ def register(config):
     """Adds the plugin when `KERAS_PARALLEL_SUITE_TIMING` names a file."""
     path = os.environ.get(VARIABLE)
     if path:
+        # `{env}`: tox's env name, one file per env of a whole matrix
+        # (`KERAS_PARALLEL_SUITE_TIMING=/tmp/timing-{env}.json .ci/run`).
+        path = path.replace("{env}", os.environ.get("TOX_ENV_NAME", "pytest"))
         config.pluginmanager.register(SuiteTiming(path), "suite_timing")
 
 

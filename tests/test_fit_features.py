@@ -58,6 +58,8 @@ def _skip_reason(case, column, door):
         return case.door_note
     if door == "callback" and case.step_only:
         return fit_features.STEP_ONLY
+    if door == "callback" and column.endswith("-model"):
+        return fit_features.MODEL_COLUMN_DOOR
     return None
 
 
