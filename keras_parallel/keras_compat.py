@@ -154,11 +154,23 @@ REPLACED = (
     ),
     Target(
         "keras.src.callbacks.callback_list.CallbackList",
-        ("on_train_batch_end", "on_epoch_end", "set_params"),
+        (
+            "on_train_batch_end",
+            "on_epoch_end",
+            "set_params",
+            "on_epoch_begin",
+            "on_train_batch_begin",
+            "on_test_batch_begin",
+            "on_test_batch_end",
+            "on_predict_batch_begin",
+            "on_predict_batch_end",
+        ),
         "after every training batch, whether the processes agreed to stop "
         "for a preemption signal (through their runtime's key-value store, "
         "`persistence/stop_agreement.py`), and the stop there with a backup "
-        "(`persistence/preemption.py`); each run's list, once made, edited: "
+        "(`persistence/preemption.py`); every epoch's and batch's begin and "
+        "end counted, this process's position for the stall watch "
+        "(`stall_watch.py`); each run's list, once made, edited: "
         "writers out on processes other than 0 (`chief.py`), keras_parallel's "
         "own callbacks in (`callback_lists.py`)",
     ),
@@ -226,8 +238,9 @@ UNCHECKED_ATTRIBUTES = {
 OTHER_PRIVATE_NAMES = {
     # A process that must end without running `atexit` (a failed rank).
     "os": ("_exit",),
-    # The caller's frame (torch's `same_data`: who started an epoch).
-    "sys": ("_getframe",),
+    # The caller's frame (torch's `same_data`: who started an epoch); every
+    # thread's stack (a stalled process's report: `stall_watch.py`).
+    "sys": ("_getframe", "_current_frames"),
     # Whether a module is still being imported (`keras_parallel/__init__`).
     "module.__spec__": ("_initializing",),
     # A `multiprocessing.SimpleQueue` polled with a timeout (`launch`).

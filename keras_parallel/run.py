@@ -10,7 +10,8 @@ while Keras's trainer runs, in one exit stack:
     1. the run's callback-list handler      (plans the model Keras built)
     2. the executor's `scope(model)`        (backend state, failure report)
     3. exact backups (`BackupAndRestore`)
-    4. the preemption watch (signals, stop agreement)
+    4. the preemption watch (signals, stop agreement) and the stall watch,
+       both on one heartbeat (one store request a second per process)
     5. the plan's `planned_scope(model)`, once a plan is applied (again
        when a newer plan is: the older one's left first)
     6. the door's own swaps (a callback's whole-file saving)
@@ -31,8 +32,10 @@ evaluation inside `fit`) runs in the outer run: the doors make no second one.
 import contextlib
 
 from keras_parallel import callback_lists, first_batch
+from keras_parallel.heartbeat import Heartbeat
 from keras_parallel.persistence.backup import ExactBackups
 from keras_parallel.persistence.preemption import PreemptionWatch
+from keras_parallel.stall_watch import StallWatchPart
 
 
 class Run:
@@ -85,7 +88,10 @@ class Run:
             backups = ExactBackups(executor)
             backups.install()
             stack.callback(backups.uninstall)
-            stack.enter_context(PreemptionWatch(executor))
+            heartbeat = Heartbeat()
+            stack.callback(heartbeat.close)
+            stack.enter_context(PreemptionWatch(executor, heartbeat))
+            stack.enter_context(StallWatchPart(executor, heartbeat))
             if binding.needs_batch():
                 # `Auto` chooses for the batch Keras builds the model from.
                 stack.callback(first_batch.watch(model, binding.batch_seen))

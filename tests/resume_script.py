@@ -15,7 +15,12 @@ process is killed again (a restarted run trains to the end). The model's
 first layer is a `split_probe` probe; each process writes the rows it
 recorded to `OUT/records<rank>-<run>.json` (the run: how many killpoints
 existed at its start, 0 or 1). With `RESUME_INPUT=pydataset` in the
-environment it trains on a `PyDataset` instead of arrays. Run directly (one process) or through
+environment it trains on a `PyDataset` instead of arrays. With
+`KILL="wait:1"` process 1 writes the mark and sleeps in the callback
+(a stall); with `KILL="getitem:1"` it sleeps in the PyDataset's
+`__getitem__` instead, making a batch of epoch 2. `ALIKE_SLEEP=S` makes
+every process sleep S seconds at epoch 1, batch 1 (all alike slow, which
+is no stall). Run directly (one process) or through
 `keras-parallel launch`. The tests import `build` and `train` for the
 uninterrupted reference.
 """
@@ -79,9 +84,52 @@ def batches():
             return 13
 
         def __getitem__(self, i):
+            _made[0] += 1
+            # Process 1 asleep making a batch of epoch 2 (it makes every
+            # other batch: 6 or 7 an epoch).
+            if _made[0] == 10 and _stall_at_getitem():
+                asleep_making_a_batch()
             return x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16]
 
     return Batches()
+
+
+#: The batches this process made so far.
+_made = [0]
+
+
+def _stall_at_getitem():
+    how = os.environ.get("RESUME_KILL", "")
+    name, _, rank = how.partition(":")
+    if name != "getitem" or _rank() != int(rank):
+        return False
+    return not os.path.exists(os.path.join(os.environ["RESUME_OUT"], "killpoint"))
+
+
+def asleep_making_a_batch():
+    with open(os.path.join(os.environ["RESUME_OUT"], "killpoint"), "w") as f:
+        f.write(f"{os.getpid()} {time.time()}")
+    time.sleep(300)
+
+
+def asleep_in_a_callback():
+    time.sleep(300)
+
+
+class AlikeSlow(keras.callbacks.Callback):
+    """Every process sleeps `seconds` at epoch 1, batch 1: slow, no stall."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (1, 1):
+            time.sleep(self.seconds)
 
 
 def train(model, callbacks=(), source="arrays"):
@@ -116,7 +164,7 @@ class Kill(keras.callbacks.Callback):
         marker = os.path.join(self.out, "killpoint")
         name, _, rank = self.how.partition(":")
         chosen = _rank() == int(rank) if rank.isdigit() else _is_chief()
-        if (self.epoch, batch) != KILL_AT or not chosen:
+        if (self.epoch, batch) != KILL_AT or not chosen or name == "getitem":
             return
         if os.path.exists(marker):
             return  # Killed once already: this is the restarted run.
@@ -130,6 +178,8 @@ class Kill(keras.callbacks.Callback):
             target = os.getppid() if rank == "launcher" else os.getpid()
             os.kill(target, getattr(signal, name))
             return
+        if name == "wait" and rank.isdigit():
+            asleep_in_a_callback()  # A stall of one process.
         time.sleep(300)
 
 
@@ -155,6 +205,9 @@ def main(out, backup, kill=None):
     callbacks = [keras.callbacks.BackupAndRestore(backup)]
     if kill:
         callbacks.append(Kill(out, kill))
+        os.environ["RESUME_KILL"], os.environ["RESUME_OUT"] = kill, out
+    if os.environ.get("ALIKE_SLEEP"):
+        callbacks.append(AlikeSlow(float(os.environ["ALIKE_SLEEP"])))
     split_probe.clear()
     try:
         train(model, callbacks, os.environ.get("RESUME_INPUT", "arrays"))

@@ -270,6 +270,73 @@ def test_stopped_launcher_ends_every_process_and_its_backup_resumes(
         resume_and_compare(tmp_path, backup, uninterrupted)
 
 
+#: The stall timeout of the stall tests: short, and shorter than the
+#: processes' alike sleep (`ALIKE_SLEEP`), which must not fire it.
+STALL_TIMEOUT_S = 4
+
+
+def stalled_run(tmp_path, kill, **variables):
+    """Launches the script with `kill` (a stall of process 1) under a short
+    stall timeout, every process first sleeping alike for longer than it;
+    returns `(exit code, stderr)` once the launcher ended."""
+    process = start(
+        2,
+        tmp_path,
+        tmp_path / "backup",
+        kill,
+        KERAS_PARALLEL_STALL_TIMEOUT=str(STALL_TIMEOUT_S),
+        ALIKE_SLEEP=str(STALL_TIMEOUT_S + 4),
+        **variables,
+    )
+    code, err, _ = finish(process, TIMEOUT_S)
+    assert running(str(tmp_path)) == [], err[-3000:]
+    return code, err
+
+
+def assert_names_process_1(err, asleep_in):
+    name = "rank" if BACKEND == "torch" else "process"
+    lines = [line for line in err.splitlines() if "stalled" in line]
+    report = next(line for line in lines if line.startswith("keras_parallel: "))
+    assert report.startswith("keras_parallel: process 1 (host "), err[-4000:]
+    assert "pid " in report and "exit code 77" in report, report
+    # Its stack, every thread, down to where it sleeps; then the other's.
+    after = err[err.index(report) :]
+    assert "Process 1's stack, every thread:" in after
+    assert f"in {asleep_in}" in after, after[-4000:]
+    assert "process 0 (host " in after and "waits in " in after, after[-4000:]
+    assert f"keras-parallel launch: {name} 1 stalled" in err, err[-3000:]
+    return report
+
+
+@jax_and_torch
+def test_a_process_asleep_in_a_callback_is_named_and_the_run_resumes(
+    tmp_path, uninterrupted
+):
+    # Every process asleep alike at epoch 1 (longer than the timeout) is no
+    # stall; process 1 asleep at epoch 2, batch 3 while process 0 waits in
+    # the next step is: named with its stack, every process ended, exit
+    # code 77, and the last backup resumes exactly.
+    code, err = stalled_run(tmp_path, "wait:1")
+    assert code == 77, err[-4000:]
+    report = assert_names_process_1(err, "asleep_in_a_callback")
+    assert "after training batch 3 of epoch 2 ended" in report, report
+    assert err.count("Process 1's stack") == 1  # One report.
+    if BACKEND == "torch":
+        # The backup a stall leaves resumes exactly (a second launch; JAX's
+        # resumes: test_a_killed_launcher_... and the preempted launcher).
+        resume_and_compare(tmp_path, tmp_path / "backup", uninterrupted)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX: the divided PyDataset's store")
+def test_a_process_asleep_making_its_batch_is_named(tmp_path):
+    # The processes make a PyDataset's batches round-robin: process 1
+    # asleep in `__getitem__`, process 0 waiting for its part at the same
+    # step of Keras's loop.
+    code, err = stalled_run(tmp_path, "getitem:1", RESUME_INPUT="pydataset")
+    assert code == 77, err[-4000:]
+    assert_names_process_1(err, "asleep_making_a_batch")
+
+
 @jax_and_torch
 def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterrupted):
     backup = tmp_path / "backup"

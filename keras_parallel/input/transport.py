@@ -23,7 +23,7 @@ if transport.is_end(part):
 ```
 """
 
-from keras_parallel import wire
+from keras_parallel import stall_watch, wire
 
 #: What an owner hands out once its source ran out, or was abandoned.
 END = "keras_parallel: end of the epoch"
@@ -91,7 +91,9 @@ class Handout:
         where = f"{key!r} from {self.who} {owner}"
         if self.scatter_bytes is not None:
             payloads = None if parts is None else [wire.encode(p) for p in parts]
-            return wire.decode(self.scatter_bytes(payloads, owner), where=where)
+            with stall_watch.waiting_for(owner if parts is None else None):
+                payload = self.scatter_bytes(payloads, owner)
+            return wire.decode(payload, where=where)
         if self.process == owner:
             encoded = {}  # A value handed to several processes, encoded once.
             for process, part in enumerate(parts):
@@ -100,7 +102,8 @@ class Handout:
                         encoded[id(part)] = wire.encode(part)
                     self.store.put_bytes(f"{key}/{process}", encoded[id(part)])
             return parts[owner]
-        payload = self.store.take_bytes(f"{key}/{self.process}")
+        with stall_watch.waiting_for(owner):
+            payload = self.store.take_bytes(f"{key}/{self.process}")
         if payload is None:
             return END
         return wire.decode(payload, where=where)
@@ -123,9 +126,11 @@ def gathered(payload, allgather_bytes, where):
     Returns:
         A list with each process's decoded value, `None` where it sent none.
     """
+    with stall_watch.waiting_for(stall_watch.EVERY_PROCESS):
+        payloads = allgather_bytes(payload)
     return [
         wire.decode(made, where=f"{where} from process {process}") if made else None
-        for process, made in enumerate(allgather_bytes(payload))
+        for process, made in enumerate(payloads)
     ]
 
 

@@ -18,7 +18,8 @@ from keras_parallel.launcher.checks import check_positive, check_script
 _USAGE = (
     "usage: keras-parallel launch [--backend B] [--nproc N] "
     "[--nnodes M --node-rank R --master-addr A --master-port P] "
-    "[--devices-per-process K] [--max-restarts R] script.py [script args]\n\n"
+    "[--devices-per-process K] [--max-restarts R] [--stall-timeout S] "
+    "script.py [script args]\n\n"
     "Runs script.py in N processes per node (--nproc N, or "
     "--nproc-per-node N), on the backend B (default: the one Keras would "
     "use: $KERAS_BACKEND, else keras.json, else tensorflow). torch: "
@@ -29,7 +30,10 @@ _USAGE = (
     "--devices-per-process K simulates K CPU devices per process. "
     "--max-restarts R: a failed group is ended and started again, up to R "
     "times (with keras.callbacks.BackupAndRestore, training goes on from "
-    "the last backup)."
+    "the last backup). --stall-timeout S: a process that has not finished "
+    "a step for S seconds while the others wait for it is named with its "
+    "stack, and every process ends with exit code 77 (default 240; 0: off; "
+    "sets KERAS_PARALLEL_STALL_TIMEOUT)."
 )
 BACKENDS = ("jax", "tensorflow", "torch")
 #: torchrun's words for `--nproc-per-node`: one process per device of a kind.
@@ -63,8 +67,8 @@ def main(argv=None):
 
     Returns:
         The exit status: 0; the failed rank's exit code (1 if a signal killed
-        it); 2 for a command that cannot start; 128 + the signal's number when
-        SIGINT or SIGTERM stopped the launch.
+        it; 77 when one stalled); 2 for a command that cannot start; 128 +
+        the signal's number when SIGINT or SIGTERM stopped the launch.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -82,6 +86,7 @@ def main(argv=None):
         return 0
     try:
         backend, argv = _backend(argv)
+        argv = _stall_timeout(argv)
         if backend == "jax":
             from keras_parallel.launcher import jax_processes
 
@@ -308,6 +313,43 @@ def _backend(argv):
             "--backend torch, or set KERAS_BACKEND."
         )
     return backend, rest
+
+
+def _stall_timeout(argv):
+    """`argv` without `--stall-timeout S`, which is set in this process's
+    environment for every process it starts (`KERAS_PARALLEL_STALL_TIMEOUT`).
+
+    Raises:
+        ValueError: S is not a number of seconds >= 0.
+    """
+    from keras_parallel.stall_settings import STALL_TIMEOUT_VARIABLE, stall_timeout
+
+    rest = list(argv)
+    for i, arg in enumerate(rest):
+        if arg.endswith(".py"):
+            break  # The script: what follows is its own.
+        if arg == "--stall-timeout" or arg.startswith("--stall-timeout="):
+            if "=" in arg:
+                value, taken = arg.split("=", 1)[1], 1
+            elif i + 1 < len(rest):
+                value, taken = rest[i + 1], 2
+            else:
+                raise ValueError(
+                    "--stall-timeout needs a number of seconds. Received: no "
+                    "value; pass e.g. --stall-timeout 240 (0 turns it off)."
+                )
+            try:
+                stall_timeout({STALL_TIMEOUT_VARIABLE: value})
+            except ValueError:
+                raise ValueError(
+                    "--stall-timeout must be a number of seconds, 0 to turn the "
+                    f"stall watch off. Received: --stall-timeout {value!r}; pass "
+                    "e.g. --stall-timeout 240."
+                ) from None
+            os.environ[STALL_TIMEOUT_VARIABLE] = value
+            del rest[i : i + taken]
+            break
+    return rest
 
 
 def _message(error):

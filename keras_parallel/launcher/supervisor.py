@@ -14,6 +14,7 @@ from keras_parallel.persistence.preemption_settings import (
     PREEMPTED_EXIT_CODE,
     grace_seconds,
 )
+from keras_parallel.stall_settings import STALLED_EXIT_CODE
 
 #: Seconds the others get to stop by themselves after one failed. A JAX process
 #: waiting on a dead peer never does (seen: still waiting after 10 s).
@@ -196,6 +197,11 @@ def how_it_ended(code, raised=False):
         What follows the process's name, e.g. `"was killed by signal 9
         (SIGKILL)"`.
     """
+    if code == STALLED_EXIT_CODE:
+        return (
+            f"stalled, or waited for one that did (exit code {code}; the "
+            "report is above)"
+        )
     if code >= 0:
         return f"failed with exit code {code} (its traceback is above)"
     try:

@@ -55,6 +55,8 @@ class PreemptionWatch:
 
     Args:
         executor: the binding's executor (its processes and their store).
+        heartbeat: the run's `Heartbeat`, whose ticks look for a notice
+            (None: the agreement's own).
     """
 
     #: Entry points watched so far in this process: every process counts
@@ -62,8 +64,9 @@ class PreemptionWatch:
     #: processes' store.
     _entries = 0
 
-    def __init__(self, executor):
+    def __init__(self, executor, heartbeat=None):
         self.executor = executor
+        self.heartbeat = heartbeat
         self.received = None
         self.agreement = None
         self._step = -1
@@ -89,7 +92,7 @@ class PreemptionWatch:
         )
         for number in numbers:
             self._installed[number] = signal_actions.install(number, self._on_signal)
-        self.agreement.start()
+        self.agreement.start(self.heartbeat)
         keras_batch_end = CallbackList.on_train_batch_end
         keras_epoch_end = CallbackList.on_epoch_end
         watch = self

@@ -12,9 +12,15 @@ import time
 
 # The one-process store is the executor's (`Executor.key_value_store`).
 from keras_parallel.backends.base import LocalStore  # noqa: F401
+from keras_parallel.heartbeat import TICK_S, Heartbeat
 
-#: Seconds between two looks of the watcher thread for a notice.
-POLL_S = 0.1
+#: Seconds between two looks for a notice: the run's heartbeat, one request
+#: a second per process (at 10 a second, 1,000 processes would send one
+#: coordinator 10,000 requests a second). The processes still stop within a
+#: step of each other: the others' steps wait for the signalled one.
+POLL_S = TICK_S
+#: Seconds between two looks for every process's step, once a notice is in.
+ANSWER_POLL_S = 0.01
 
 
 class StopAgreement:
@@ -58,25 +64,35 @@ class StopAgreement:
         self._answered = -1
         self._agreed = False
         self._closed = threading.Event()
-        self._watcher = None
+        self._heartbeat = None
+        self._own_heartbeat = False
 
     def _key(self, name):
         return f"keras_parallel/stop/{self.prefix}/{name}"
 
-    def start(self):
-        """Starts the watcher thread (several processes only)."""
-        if self.num_processes > 1:
-            self._watcher = threading.Thread(
-                target=self._watch, name="keras_parallel-stop-watch", daemon=True
-            )
-            self._watcher.start()
+    def start(self, heartbeat=None):
+        """Looks for a notice at every tick of `heartbeat` (several processes
+        only).
+
+        Args:
+            heartbeat: the run's `Heartbeat`, shared with the stall watch;
+                None: a heartbeat of its own, started and closed here.
+        """
+        if self.num_processes == 1:
+            return
+        if heartbeat is None:
+            heartbeat = Heartbeat(POLL_S, name="keras_parallel-stop-watch")
+            self._own_heartbeat = True
+        self._heartbeat = heartbeat
+        heartbeat.add(self._poll)
+        heartbeat.start()
 
     def close(self):
-        """Stops the watcher thread; waits for it (at most one poll)."""
+        """Looks for no more notices; closes a heartbeat of its own."""
         self._closed.set()
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.join(timeout=POLL_S * 10)
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None and self._own_heartbeat:
+            heartbeat.close()
 
     def should_stop(self, step, signalled=None):
         """Whether every process stops after `step`; call at every batch end.
@@ -100,18 +116,17 @@ class StopAgreement:
         if self._read(self._key("notice")) is None:
             self.store.set(self._key("notice"), f"{self.rank}:{signal_name}")
 
-    def _watch(self):
-        while not self._closed.wait(POLL_S):
-            try:
-                notice = self._read(self._key("notice"))
-            except Exception:  # The store is gone: the run is ending.
-                return
-            if notice is None:
-                continue
-            with self._lock:
-                if not self._agreed:
-                    self._agree()
-            return
+    def _poll(self):
+        """One tick: a notice? Returns False once there is no more to do."""
+        if self._closed.is_set():
+            return False
+        # The store gone (the run ending) raises: the heartbeat drops it.
+        if self._read(self._key("notice")) is None:
+            return True
+        with self._lock:
+            if not self._agreed:
+                self._agree()
+        return False
 
     def _agree(self):
         """Steps 2 and 3 of the protocol; called holding the lock, once."""
@@ -142,7 +157,7 @@ class StopAgreement:
                 raise TimeoutError(
                     f"process {rank} wrote no step within {self.timeout:g} s"
                 )
-            time.sleep(POLL_S / 10)
+            time.sleep(ANSWER_POLL_S)
 
     def _read(self, key):
         return self.store.try_get(key)

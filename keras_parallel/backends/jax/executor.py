@@ -16,6 +16,7 @@ import jax
 import keras
 from keras.distribution import TensorLayout
 
+from keras_parallel import stall_watch
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.jax import batches, processes
 from keras_parallel.backends.jax.checkpoint_io import (
@@ -233,7 +234,10 @@ class JaxExecutor(Executor):
         # which computes synchronously anyway; accelerators are untouched.
         def one_step_at_a_time(*args, **kwargs):
             outputs = function(*args, **kwargs)
-            _wait_for_step(outputs)
+            # Its batch in hand, this process waits for every other in the
+            # step's collectives (a stall of another is named: stall_watch).
+            with stall_watch.waiting_for(stall_watch.EVERY_PROCESS):
+                _wait_for_step(outputs)
             return outputs
 
         return one_step_at_a_time

@@ -1,0 +1,514 @@
+"""A stalled process named, with its stack, instead of a silent hang.
+
+Every process of several counts where it is in the entry point: each
+epoch's and batch's begin and end, as Keras's callback list calls them (the
+data of a training batch is drawn before its `on_train_batch_begin`, so a
+process stuck in its data loader has not begun the batch the others are
+in). It publishes that position to the run's key-value store at the
+heartbeat's tick (`heartbeat.py`): no collective, about one request a
+second per process, shared with the preemption's stop agreement.
+
+A process whose position has not moved for the stall timeout reads every
+process's. If some process is behind the furthest (the others finished a
+step it has not, and wait for it), that process has stalled:
+
+- the stalled process prints the report: its rank, host and pid, the epoch
+  and batch it stopped in and for how long; its Python stack, every
+  thread; each other process's position and where its main thread waits;
+- every process exits with `STALLED_EXIT_CODE`. No collective runs (the
+  stalled process would never join it); the last backup stays, so the
+  same command resumes.
+
+Every process alike slow (a long first compile, a slow save at an epoch's
+end on every process) is no stall: no process is behind.
+
+Through `keras-parallel launch` the report is the only one; under another
+launcher (torchrun, srun, mpirun) each waiting process also prints one line
+pointing to it.
+"""
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from keras.callbacks import CallbackList
+
+from keras_parallel.replacements import Replacements
+from keras_parallel.stall_settings import (
+    STALL_TIMEOUT_VARIABLE,
+    STALLED_EXIT_CODE,
+    stall_timeout,
+)
+
+#: Seconds the stalled process waits for the others' positions, and the
+#: others for its report, before going on without.
+REPORT_WAIT_S = 10.0
+#: A published record longer than this is refused (it comes from another
+#: process over the network: data, decoded as JSON, bounded).
+MAX_RECORD_CHARS = 2048
+#: Seconds between two looks at every process's position while this one
+#: has not moved for the timeout and no process is behind (every process
+#: alike slow): at least this, and a tenth of a second per process, so that
+#: a long compile on many processes costs the store little.
+LOOK_EVERY_S = 10.0
+#: Seconds a waiting process lets the stalled one exit first, so that a
+#: launcher names the stalled process as the run's failure.
+EXIT_AFTER_S = 2.0
+#: Frames of a waiting process's main thread shown in the report.
+WAITING_FRAMES = 4
+
+_EVENTS = (
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+)
+
+
+def describe_position(record):
+    """`"after training batch 3 of epoch 2 ended"`, from a published record."""
+    event = record.get("event") or ""
+    epoch, batch = record.get("epoch"), record.get("batch")
+    if not event:
+        return "before its first batch"
+    kind = event.split("_")[1]  # epoch, train, test, predict
+    moment = "began" if event.endswith("begin") else "ended"
+    if kind == "epoch":
+        return f"after epoch {epoch} {moment}"
+    name = {"train": "training", "test": "validation", "predict": "prediction"}[kind]
+    where = f"{name} batch {batch}" + (
+        f" of epoch {epoch}" if epoch is not None else ""
+    )
+    return f"after {where} {moment}"
+
+
+def decode_record(text):
+    """A published position, or None for one that is not a record.
+
+    What another process wrote is data: JSON of a bounded length, a dict of
+    known keys with int and str values; anything else is refused.
+    """
+    if not isinstance(text, str) or len(text) > MAX_RECORD_CHARS:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("moves"), int):
+        return None
+    kinds = {
+        "moves": int,
+        "epoch": int,
+        "batch": int,
+        "event": str,
+        "host": str,
+        "pid": int,
+        "waiting": str,
+        "waits_for": int,
+    }
+    clean = {}
+    for key, kind in kinds.items():
+        value = record.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool):
+            clean[key] = value
+    return clean
+
+
+def thread_stacks():
+    """Every thread's Python stack of this process, as text."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        lines.append(f'Thread "{names.get(ident, ident)}":')
+        lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
+    return "\n".join(lines)
+
+
+def main_thread_waits_in():
+    """The innermost frames of the main thread: where it waits."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "unknown"
+    summary = traceback.extract_stack(frame)[-WAITING_FRAMES:]
+    return " <- ".join(
+        f"{item.name} ({os.path.basename(item.filename)}:{item.lineno})"
+        for item in reversed(summary)
+    )
+
+
+class StallWatch:
+    """Names a process that stalls while the others wait, then ends the run.
+
+    Args:
+        store: the run's key-value store (`set`, `try_get`; strings).
+        rank: this process's index.
+        num_processes: how many processes run.
+        prefix: the entry point's keys' prefix (the same on every process).
+        timeout: the stall timeout in seconds.
+        launched: under `keras-parallel launch` (one report in all).
+        clock: `time.monotonic`, or a test's.
+        exit: `os._exit`, or a test's.
+        sleep: `time.sleep`, or a test's.
+
+    Example:
+
+    ```python
+    watch = StallWatch(LocalStore(), 0, 2, "fit-1", timeout=180.0)
+    watch.moved("on_train_batch_begin", batch=0)
+    watch.tick()  # from the run's heartbeat, once a second
+    ```
+    """
+
+    def __init__(
+        self,
+        store,
+        rank,
+        num_processes,
+        prefix,
+        timeout,
+        launched=False,
+        clock=time.monotonic,
+        exit=os._exit,
+        sleep=time.sleep,
+    ):
+        self.store = store
+        self.rank = rank
+        self.num_processes = num_processes
+        self.prefix = prefix
+        self.timeout = timeout
+        self.launched = launched
+        self.clock = clock
+        self._exit = exit
+        self._sleep = sleep
+        self.moves = 0
+        self.epoch = None
+        self.batch = None
+        self.event = ""
+        #: The process whose part of a divided batch this one waits for.
+        self.waits_for = None
+        self._moved_at = clock()
+        self._published = None
+        self._ticks = 0
+        self._waiting_since = None
+        self._next_look = None
+        self._report_due = None
+        self._ended = False
+
+    # ------------------------------------------------------- main thread
+    def moved(self, event, epoch=None, batch=None):
+        """Records one step of Keras's loop (a callback-list event)."""
+        self.moves += 1
+        self.event = event
+        if event.startswith("on_epoch"):
+            self.epoch = epoch
+            self.batch = None
+        else:
+            self.batch = batch
+            if epoch is not None:
+                self.epoch = epoch
+        self._moved_at = self.clock()
+
+    # ------------------------------------------------- heartbeat thread
+    def tick(self):
+        """One heartbeat: publish a moved position every other tick (the
+        stop agreement's notice poll takes the others); look at every
+        process once this one has not moved for the timeout.
+
+        Returns:
+            False once the run has ended here (the heartbeat drops it).
+        """
+        if self._ended:
+            return False
+        self._ticks += 1
+        position = (self.moves, self.waits_for)
+        if position != self._published and self._ticks % 2 == 0:
+            self._published = position
+            self.store.set(self._key("position", self.rank), self._record())
+        now = self.clock()
+        if now - self._moved_at < self.timeout:
+            self._next_look = None
+        elif self._next_look is None or now >= self._next_look:
+            self._look()
+        return not self._ended
+
+    def _record(self, **extra):
+        record = {
+            "moves": self.moves,
+            "event": self.event,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        if self.epoch is not None:
+            record["epoch"] = self.epoch
+        if self.batch is not None:
+            record["batch"] = self.batch
+        if self.waits_for is not None:
+            record["waits_for"] = self.waits_for
+        record.update(extra)
+        return json.dumps(record)
+
+    def _key(self, name, rank=None):
+        suffix = "" if rank is None else f"/{rank}"
+        return f"keras_parallel/stall/{self.prefix}/{name}{suffix}"
+
+    def _positions(self):
+        positions = {}
+        for rank in range(self.num_processes):
+            if rank == self.rank:
+                positions[rank] = decode_record(self._record())
+                continue
+            record = decode_record(self.store.try_get(self._key("position", rank)))
+            # A process that published nothing yet is at the start.
+            positions[rank] = record or {"moves": 0, "event": ""}
+        return positions
+
+    def _look(self):
+        positions = self._positions()
+        behind = stalled_processes(positions)
+        if not behind:
+            # Every process alike: slow, not stalled. Looked at again later.
+            self._waiting_since = None
+            self._next_look = self.clock() + max(LOOK_EVERY_S, self.num_processes / 10)
+            return
+        stalled = min(behind, key=lambda r: (positions[r]["moves"], r))
+        behind = set(behind)
+        if self.rank == stalled:
+            # The others' positions first (each writes where it waits at
+            # its next look), for at most REPORT_WAIT_S.
+            if self._report_due is None:
+                self._report_due = self.clock() + REPORT_WAIT_S
+            waiting = self._waiting_records(positions, stalled)
+            if len(waiting) == self.num_processes - 1 or (
+                self.clock() >= self._report_due
+            ):
+                self._report(positions, stalled, waiting, own_stack=True)
+                self._end(stalled)
+            return
+        if self._waiting_since is None:
+            self._waiting_since = self.clock()
+            self.store.set(
+                self._key("waiting", self.rank),
+                self._record(waiting=main_thread_waits_in()),
+            )
+        if self.store.try_get(self._key("reported")) is not None:
+            self._end(stalled)
+        elif self.clock() - self._waiting_since > 2 * REPORT_WAIT_S:
+            # Its watch did not answer (a native call holding the GIL):
+            # the first waiting process reports what the store shows.
+            if self.rank == min(r for r in positions if r not in behind):
+                waiting = self._waiting_records(positions, stalled)
+                self._report(positions, stalled, waiting, own_stack=False)
+            self._end(stalled)
+
+    def _waiting_records(self, positions, stalled):
+        waiting = {}
+        for rank in positions:
+            if rank != stalled:
+                text = self.store.try_get(self._key("waiting", rank))
+                record = decode_record(text) if text is not None else None
+                if record is not None:
+                    waiting[rank] = record
+        return waiting
+
+    def _report(self, positions, stalled, waiting, own_stack):
+        seconds = self.clock() - self._moved_at if own_stack else None
+        stacks = thread_stacks() if own_stack else None
+        text = stall_report(stalled, positions, waiting, self.timeout, seconds, stacks)
+        print(text, file=sys.stderr, flush=True)
+        self.store.set(self._key("reported"), str(stalled))
+
+    def _end(self, stalled):
+        """Every process ends here, without a collective: the stalled one
+        would never join it."""
+        self._ended = True
+        if self.rank != stalled:
+            self._sleep(EXIT_AFTER_S)
+        if not self.launched and self.rank != stalled:
+            print(
+                f"keras_parallel: process {self.rank} ends: process {stalled} "
+                "stalled (its report is in its output). Exiting with code "
+                f"{STALLED_EXIT_CODE}.",
+                file=sys.stderr,
+                flush=True,
+            )
+        sys.stdout.flush()
+        self._exit(STALLED_EXIT_CODE)
+
+
+def stalled_processes(positions):
+    """The ranks that stalled, from every process's record, by rank.
+
+    A process is behind when another has moved further through Keras's loop
+    (finished a step it has not). Where none is, the processes the others
+    wait for at the same step, which wait for no one themselves, are: the
+    others are in the step's collective, or in the exchange of a divided
+    batch (`EVERY_PROCESS`), or wait for one process's part of a batch,
+    while these are not (making their batch, drawing their data).
+    """
+    furthest = max(p["moves"] for p in positions.values())
+    behind = sorted(r for r, p in positions.items() if p["moves"] < furthest)
+    if behind:
+        return behind
+    waiting = {
+        rank: p["waits_for"]
+        for rank, p in positions.items()
+        if p.get("waits_for") is not None
+    }
+    free = {rank for rank in positions if rank not in waiting}
+    stalled = set()
+    for target in waiting.values():
+        if target == EVERY_PROCESS:
+            stalled |= free
+        elif target in free:
+            stalled.add(target)
+    return sorted(stalled)
+
+
+def stall_report(stalled, positions, waiting, timeout, seconds, stacks):
+    """The report's text.
+
+    Args:
+        stalled: the stalled process's rank.
+        positions: every process's decoded record, by rank.
+        waiting: the waiting processes' records with `waiting` (where their
+            main thread is), by rank.
+        timeout: the stall timeout.
+        seconds: how long the stalled process has not moved, if known.
+        stacks: its every thread's stack, or None (not readable).
+    """
+    record = positions[stalled]
+    how_long = f"{seconds:.0f} s" if seconds is not None else f"over {timeout:g} s"
+    lines = [
+        f"keras_parallel: process {stalled} (host {record.get('host', '?')}, "
+        f"pid {record.get('pid', '?')}) stalled {describe_position(record)}: "
+        f"no step for {how_long} while the other processes finished it and wait "
+        f"(stall timeout {timeout:g} s, {STALL_TIMEOUT_VARIABLE}). Every process "
+        f"ends with exit code {STALLED_EXIT_CODE}; the last backup stays: run "
+        "the same command to resume."
+    ]
+    if stacks is not None:
+        lines.append(f"Process {stalled}'s stack, every thread:")
+        lines.append(stacks)
+    else:
+        lines.append(
+            f"Process {stalled}'s stack could not be read: its watch did not "
+            "run (a native call holding Python's lock?)."
+        )
+    lines.append("The other processes:")
+    for rank in sorted(positions):
+        if rank == stalled:
+            continue
+        other = waiting.get(rank, positions[rank])
+        where = other.get("waiting")
+        lines.append(
+            f"  process {rank} (host {other.get('host', '?')}, pid "
+            f"{other.get('pid', '?')}): {describe_position(other)}"
+            + (f"; waits in {where}" if where else "")
+        )
+    return "\n".join(lines)
+
+
+#: `waiting_for(EVERY_PROCESS)`: in a collective of every process.
+EVERY_PROCESS = -1
+#: The stall watch of the entry point running in this process, if any.
+_current = [None]
+
+
+@contextlib.contextmanager
+def waiting_for(owner):
+    """Marks this process as waiting for process `owner` while the block
+    runs: its part of a divided batch (`input/transport.py`), or
+    `EVERY_PROCESS` in a collective (a step's, an exchange of batches)."""
+    watch = _current[0]
+    if watch is None:
+        yield
+        return
+    watch.waits_for = owner
+    try:
+        yield
+    finally:
+        watch.waits_for = None
+
+
+class StallWatchPart:
+    """Counts Keras's loop events and ticks a `StallWatch` while an entry
+    point runs (several processes only; `Run` installs it).
+
+    Args:
+        executor: the run's executor (its processes and store).
+        heartbeat: the run's `Heartbeat`.
+    """
+
+    #: Entry points watched so far in this process: every process counts
+    #: the same ones, so the count names one entry point's keys.
+    _entries = 0
+
+    def __init__(self, executor, heartbeat):
+        self.executor = executor
+        self.heartbeat = heartbeat
+        self.watch = None
+        self._replacements = Replacements()
+
+    def __enter__(self):
+        self.install()
+        return self
+
+    def __exit__(self, error_type, error, traceback):
+        self.uninstall()
+        return False
+
+    def install(self):
+        StallWatchPart._entries += 1
+        executor = self.executor
+        timeout = stall_timeout()
+        if executor.num_processes == 1 or timeout is None:
+            return
+        from keras_parallel.launcher.parent_death import LAUNCHER_PID_ENV
+
+        watch = StallWatch(
+            executor.key_value_store(),
+            executor.process_index,
+            executor.num_processes,
+            str(StallWatchPart._entries),
+            timeout,
+            launched=LAUNCHER_PID_ENV in os.environ,
+        )
+        self.watch = watch
+        _current[0] = watch
+        for event in _EVENTS:
+            self._replacements.replace(
+                CallbackList,
+                event,
+                _counted(getattr(CallbackList, event), event, watch),
+            )
+        self.heartbeat.add(watch.tick)
+        self.heartbeat.start()
+
+    def uninstall(self):
+        if self.watch is not None:
+            self.watch._ended = True
+            if _current[0] is self.watch:
+                _current[0] = None
+        self._replacements.restore()
+
+
+def _counted(keras_event, event, watch):
+    epoch_event = event.startswith("on_epoch")
+
+    def counted(callback_list, step, logs=None):
+        if epoch_event:
+            watch.moved(event, epoch=step)
+        else:
+            watch.moved(event, epoch=watch.epoch, batch=step)
+        return keras_event(callback_list, step, logs)
+
+    return counted
