@@ -902,6 +902,7 @@ CASES = {
             dtype_policy="mixed_float16",
             rtol=5e-3,
             why_rtol=LOW_PRECISION,
+            step_only=True,
         ),
         Case(
             "mixed_bfloat16",
@@ -915,6 +916,7 @@ CASES = {
             "gradient_accumulation",
             "`gradient_accumulation_steps=2`",
             compile=mse(gradient_accumulation_steps=2),
+            step_only=True,
         ),
         Case(
             "ema",
@@ -934,6 +936,7 @@ CASES = {
             'a custom `train_step` (the Keras guide "Customizing what happens '
             'in fit()" for the backend)',
             build=custom_train_step,
+            step_only=True,
         ),
         Case(
             "dict_io_loss_weights",
