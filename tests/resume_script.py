@@ -201,7 +201,9 @@ def _is_chief():
 
 def main(out, backup, kill=None):
     run = int(os.path.exists(os.path.join(out, "killpoint")))
-    model = build(probe=True)
+    # `RESUME_DROPOUT=0`: no dropout, so that torch's ranks (each drawing
+    # its own masks) train as one device does.
+    model = build(probe=True, dropout=os.environ.get("RESUME_DROPOUT") != "0")
     callbacks = [keras.callbacks.BackupAndRestore(backup)]
     if kill:
         callbacks.append(Kill(out, kill))
