@@ -120,3 +120,21 @@ def test_without_the_watcher_a_signalled_process_waits_for_ever(monkeypatch):
         train(2, {1: 3}, timeout=1.0)
     # The watcher looks within the steps' 5 s (train's timeout) otherwise.
     assert stop_agreement.POLL_S < 5.0
+
+
+def test_on_the_runs_heartbeat_it_looks_every_other_tick():
+    # The stall watch publishes on the other ticks: one request a second
+    # per process in all.
+    from keras_parallel.heartbeat import Heartbeat
+
+    store, reads, ticks = LocalStore(), [], []
+    store.try_get = lambda key, get=store.try_get: reads.append(key) or get(key)
+    heartbeat = Heartbeat(interval=0.01)
+    heartbeat.add(lambda: ticks.append(1) or True)
+    agreement = StopAgreement(store, 0, 2, "fit-1", timeout=1.0)
+    agreement.start(heartbeat)
+    time.sleep(0.5)
+    heartbeat.close()
+    agreement.close()
+    assert len(ticks) > 10
+    assert abs(len(reads) - len(ticks) / 2) <= 1, (len(reads), len(ticks))

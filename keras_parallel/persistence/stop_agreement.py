@@ -14,8 +14,9 @@ import time
 from keras_parallel.backends.base import LocalStore  # noqa: F401
 from keras_parallel.heartbeat import TICK_S, Heartbeat
 
-#: Seconds between two looks for a notice: the run's heartbeat, one request
-#: a second per process (at 10 a second, 1,000 processes would send one
+#: Seconds between two looks for a notice: the run's heartbeat, every other
+#: tick of it where the stall watch shares it, one request a second per
+#: process in all (at 10 a second, 1,000 processes would send one
 #: coordinator 10,000 requests a second). The processes still stop within a
 #: step of each other: the others' steps wait for the signalled one.
 POLL_S = TICK_S
@@ -66,6 +67,7 @@ class StopAgreement:
         self._closed = threading.Event()
         self._heartbeat = None
         self._own_heartbeat = False
+        self._polls = 0
 
     def _key(self, name):
         return f"keras_parallel/stop/{self.prefix}/{name}"
@@ -117,9 +119,16 @@ class StopAgreement:
             self.store.set(self._key("notice"), f"{self.rank}:{signal_name}")
 
     def _poll(self):
-        """One tick: a notice? Returns False once there is no more to do."""
+        """One tick: a notice? Returns False once there is no more to do.
+
+        On the run's heartbeat, every other tick: the stall watch publishes
+        on the others, so that each process sends one request a second.
+        """
         if self._closed.is_set():
             return False
+        self._polls += 1
+        if not self._own_heartbeat and self._polls % 2 == 0:
+            return True
         # The store gone (the run ending) raises: the heartbeat drops it.
         if self._read(self._key("notice")) is None:
             return True
