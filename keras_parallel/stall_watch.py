@@ -29,6 +29,7 @@ pointing to it.
 
 import contextlib
 import json
+import multiprocessing
 import os
 import socket
 import sys
@@ -341,6 +342,10 @@ class StallWatch:
                 flush=True,
             )
         sys.stdout.flush()
+        # Its own children first (a DataLoader's workers, asleep where the
+        # process stalled): nothing outlives it.
+        for child in multiprocessing.active_children():
+            child.kill()
         self._exit(STALLED_EXIT_CODE)
 
 

@@ -132,13 +132,40 @@ class AlikeSlow(keras.callbacks.Callback):
             time.sleep(self.seconds)
 
 
+class Rows:
+    """A map-style dataset of the rows, for a torch `DataLoader`; with
+    `KILL="getitem:1"` process 1's loader worker sleeps at its 60th row."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+        self.loaded = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.loaded += 1
+        if self.loaded == 60 and _stall_at_getitem():
+            asleep_making_a_batch()
+        return self.x[i], self.y[i]
+
+
 def train(model, callbacks=(), source="arrays"):
     """Fits 4 shuffled epochs of arrays, or (`source="pydataset"`) of
-    `batches()` (its batch order shuffled)."""
+    `batches()` (its batch order shuffled), or (`source="dataloader"`,
+    torch) of a shuffled `DataLoader` with one worker process."""
     x, y = data()
     inputs = dict(x=x, y=y, batch_size=32)
     if source == "pydataset":
         inputs = dict(x=batches())
+    if source == "dataloader":
+        import torch
+
+        inputs = dict(
+            x=torch.utils.data.DataLoader(
+                Rows(x, y), batch_size=32, shuffle=True, num_workers=1
+            )
+        )
     return model.fit(
         **inputs,
         epochs=EPOCHS,

@@ -325,14 +325,21 @@ def test_a_process_asleep_in_a_callback_is_named_and_every_process_ends(tmp_path
     assert (metadata["epoch"], metadata["keras_parallel"]["steps_done"]) == (2, 0)
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="JAX: the divided PyDataset's store")
+@jax_and_torch
 def test_a_process_asleep_making_its_batch_is_named(tmp_path):
-    # The processes make a PyDataset's batches round-robin: process 1
+    # JAX: the processes make a PyDataset's batches round-robin, process 1
     # asleep in `__getitem__`, process 0 waiting for its part at the same
-    # step of Keras's loop.
-    code, err = stalled_run(tmp_path, "getitem:1", RESUME_INPUT="pydataset")
+    # step of Keras's loop. torch: rank 1's DataLoader worker asleep in
+    # `__getitem__`, rank 1 waiting for it before its next batch; the worker
+    # ends with its rank (no process left).
+    if BACKEND == "jax":
+        code, err = stalled_run(tmp_path, "getitem:1", RESUME_INPUT="pydataset")
+        asleep_in = "asleep_making_a_batch"
+    else:
+        code, err = stalled_run(tmp_path, "getitem:1", RESUME_INPUT="dataloader")
+        asleep_in = "_get_data"  # Rank 1's main thread: waiting for its worker.
     assert code == 77, err[-4000:]
-    assert_names_process_1(err, "asleep_making_a_batch")
+    assert_names_process_1(err, asleep_in)
 
 
 @jax_and_torch
