@@ -233,7 +233,7 @@ class StallWatch:
         position = (self.moves, self.waits_for)
         if position != self._published and self._ticks % 2 == 0:
             self._published = position
-            self.store.set(self._key("position", self.rank), self._record())
+            self._replace(self._key("position", self.rank), self._record())
         now = self.clock()
         if now - self._moved_at < self.timeout:
             self._next_look = None
@@ -261,15 +261,31 @@ class StallWatch:
         suffix = "" if rank is None else f"/{rank}"
         return f"keras_parallel/stall/{self.prefix}/{name}{suffix}"
 
+    def _replace(self, key, value):
+        # TensorFlow's coordination service keeps a key's first value: the
+        # key is deleted first where the store can (a reader in between
+        # finds none, and leaves that process out of its look).
+        delete = getattr(self.store, "delete", None)
+        if delete is not None:
+            try:
+                delete(key)
+            except Exception:
+                pass  # Not written yet.
+        self.store.set(key, value)
+
     def _positions(self):
+        """Every process's published position, by rank; a process whose
+        position is not there (not published yet, or being replaced) is
+        left out: every live process publishes within two ticks."""
         positions = {}
         for rank in range(self.num_processes):
             if rank == self.rank:
                 positions[rank] = decode_record(self._record())
                 continue
-            record = decode_record(self.store.try_get(self._key("position", rank)))
-            # A process that published nothing yet is at the start.
-            positions[rank] = record or {"moves": 0, "event": ""}
+            text = self.store.try_get(self._key("position", rank))
+            record = decode_record(text) if text is not None else None
+            if record is not None:
+                positions[rank] = record
         return positions
 
     def _look(self):

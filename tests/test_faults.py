@@ -293,7 +293,7 @@ def stalled_run(tmp_path, kill, **variables):
 
 
 def assert_names_process_1(err, asleep_in):
-    name = "rank" if BACKEND == "torch" else "process"
+    name = {"torch": "rank", "tensorflow": "worker"}.get(BACKEND, "process")
     lines = [line for line in err.splitlines() if "stalled" in line]
     report = next(line for line in lines if line.startswith("keras_parallel: "))
     assert report.startswith("keras_parallel: process 1 (host "), err[-4000:]
@@ -307,7 +307,6 @@ def assert_names_process_1(err, asleep_in):
     return report
 
 
-@jax_and_torch
 def test_a_process_asleep_in_a_callback_is_named_and_every_process_ends(tmp_path):
     # Every process asleep alike at epoch 1 (longer than the timeout) is no
     # stall; process 1 asleep at epoch 2, batch 3 while process 0 waits in

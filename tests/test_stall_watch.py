@@ -105,6 +105,51 @@ def test_a_process_making_its_part_of_a_divided_batch_is_named(capsys):
     assert first.startswith("keras_parallel: process 1 (host "), first
 
 
+class FirstValueStore(LocalStore):
+    """Keeps a key's first value, as TensorFlow's coordination service does;
+    `delete` forgets it."""
+
+    def set(self, key, value):
+        self._values.setdefault(key, value)
+
+    def delete(self, key):
+        self._values.pop(key, None)
+
+
+def test_on_a_store_that_keeps_first_values_positions_still_move(capsys):
+    store, clock, exits = FirstValueStore(), Clock(), {}
+    watches = [
+        StallWatch(
+            store,
+            rank,
+            2,
+            "fit-1",
+            TIMEOUT,
+            clock=clock,
+            exit=lambda code, rank=rank: exits.setdefault(rank, code),
+            sleep=lambda seconds: None,
+        )
+        for rank in range(2)
+    ]
+    # Both asleep alike for longer than the timeout, then process 1 stalls.
+    run(watches, clock, 10, lambda rank, second: True)
+    run(watches, clock, 2 * int(TIMEOUT), lambda rank, second: False)
+    assert exits == {}
+    run(
+        watches, clock, 60, lambda rank, second: second < 5 or rank == 0 and second == 5
+    )
+    assert exits == {0: STALLED_EXIT_CODE, 1: STALLED_EXIT_CODE}
+    assert capsys.readouterr().err.startswith("keras_parallel: process 1 (host ")
+
+
+def test_a_process_that_published_nothing_is_not_named():
+    _, clock, exits, watches = processes(2)
+    silent = watches[1]
+    silent.tick = lambda: True  # Never publishes (its store is elsewhere).
+    run(watches, clock, 3 * int(TIMEOUT), lambda rank, second: rank == 0 and second < 3)
+    assert exits == {}
+
+
 def test_positions_name_who_is_behind():
     at = {"moves": 8}
     assert stall_watch.stalled_processes({0: at, 1: {"moves": 7}, 2: at}) == [1]
@@ -164,16 +209,12 @@ def test_a_slow_process_that_keeps_moving_is_not_a_stall():
     assert exits == {}
 
 
-def test_a_stalled_process_whose_watch_never_runs_is_named_by_the_others(capsys):
+def test_a_stalled_process_whose_watch_stops_is_named_by_the_others(capsys):
     _, clock, exits, watches = processes(2)
+    run(watches, clock, 4, lambda rank, second: True)
     asleep = watches[1]
-    asleep.tick = lambda: True  # Its thread never runs (the GIL held).
-    run(
-        watches,
-        clock,
-        120,
-        lambda rank, second: second < 4 or rank == 0 and second == 4,
-    )
+    asleep.tick = lambda: True  # Its thread runs no more (the GIL held).
+    run(watches, clock, 120, lambda rank, second: rank == 0 and second == 0)
     assert exits == {0: STALLED_EXIT_CODE}
     err = capsys.readouterr().err
     assert err.startswith("keras_parallel: process 1 (host ")
