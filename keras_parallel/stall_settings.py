@@ -41,3 +41,9 @@ def stall_timeout(environ=None):
             f"{DEFAULT_STALL_TIMEOUT_S:g}."
         )
     return seconds or None
+
+
+#: Set by `keras-parallel launch` in every process it starts (its pid:
+#: `launcher/parent_death.py`, a layer above this one): under it, the
+#: stalled process's report is the only one.
+LAUNCHED_VARIABLE = "KERAS_PARALLEL_LAUNCHER_PID"

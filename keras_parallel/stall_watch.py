@@ -41,6 +41,7 @@ from keras.callbacks import CallbackList
 
 from keras_parallel.replacements import Replacements
 from keras_parallel.stall_settings import (
+    LAUNCHED_VARIABLE,
     STALL_TIMEOUT_VARIABLE,
     STALLED_EXIT_CODE,
     stall_timeout,
@@ -493,15 +494,13 @@ class StallWatchPart:
         timeout = stall_timeout()
         if executor.num_processes == 1 or timeout is None:
             return
-        from keras_parallel.launcher.parent_death import LAUNCHER_PID_ENV
-
         watch = StallWatch(
             executor.key_value_store(),
             executor.process_index,
             executor.num_processes,
             str(StallWatchPart._entries),
             timeout,
-            launched=LAUNCHER_PID_ENV in os.environ,
+            launched=LAUNCHED_VARIABLE in os.environ,
         )
         self.watch = watch
         _current[0] = watch

@@ -37,6 +37,9 @@ LAYERS = (
         "cluster_environments",
         "input",
         "tested_versions",
+        "heartbeat",
+        "stall_settings",
+        "stall_watch",
     ),
     # One executor per backend, and the contract they share; the join of a
     # cluster's processes, which starts a backend's runtime.

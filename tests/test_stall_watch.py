@@ -292,3 +292,9 @@ def test_the_launchers_option_sets_the_variable_and_leaves_the_scripts_own(
     assert os.environ["KERAS_PARALLEL_STALL_TIMEOUT"] == "30"
     with pytest.raises(ValueError, match="--stall-timeout must be a number"):
         command._stall_timeout(["--stall-timeout=later", "train.py"])
+
+
+def test_the_launchers_variable_is_the_one_it_sets():
+    from keras_parallel.launcher import parent_death
+
+    assert stall_settings.LAUNCHED_VARIABLE == parent_death.LAUNCHER_PID_ENV
