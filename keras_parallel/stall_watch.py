@@ -48,8 +48,10 @@ from keras_parallel.stall_settings import (
 )
 
 #: Seconds the stalled process waits for the others' positions, and the
-#: others for its report, before going on without.
-REPORT_WAIT_S = 10.0
+#: others for its report, before going on without (each other process
+#: writes where it waits once it has not moved for the timeout: on busy
+#: cores, seconds after the stalled one; at once in the common case).
+REPORT_WAIT_S = 30.0
 #: A published record longer than this is refused (it comes from another
 #: process over the network: data, decoded as JSON, bounded).
 MAX_RECORD_CHARS = 2048

@@ -270,8 +270,11 @@ def test_stopped_launcher_ends_every_process_and_keeps_its_backup(tmp_path, sign
 
 
 #: The stall timeout of the stall tests: short, and shorter than the
-#: processes' alike sleep (`ALIKE_SLEEP`), which must not fire it.
-STALL_TIMEOUT_S = 4
+#: processes' alike sleep (`ALIKE_SLEEP`), which must not fire it; longer
+#: than one process's step can lag another's on busy cores (a compile of
+#: the epoch's last, uneven batch finished seconds apart: with 4 s, one
+#: such lag was taken for a stall in a CI run with two envs at once).
+STALL_TIMEOUT_S = 10
 
 
 def stalled_run(tmp_path, kill, **variables):
