@@ -47,3 +47,39 @@ def stall_timeout(environ=None):
 #: `launcher/parent_death.py`, a layer above this one): under it, the
 #: stalled process's report is the only one.
 LAUNCHED_VARIABLE = "KERAS_PARALLEL_LAUNCHER_PID"
+
+
+def take_stall_timeout_option(argv):
+    """`keras-parallel launch`'s arguments `argv` without `--stall-timeout
+    S`, which is set in this process's environment for every process it
+    starts (`KERAS_PARALLEL_STALL_TIMEOUT`).
+
+    Raises:
+        ValueError: S is not a number of seconds >= 0.
+    """
+    rest = list(argv)
+    for i, arg in enumerate(rest):
+        if arg.endswith(".py"):
+            break  # The script: what follows is its own.
+        if arg == "--stall-timeout" or arg.startswith("--stall-timeout="):
+            if "=" in arg:
+                value, taken = arg.split("=", 1)[1], 1
+            elif i + 1 < len(rest):
+                value, taken = rest[i + 1], 2
+            else:
+                raise ValueError(
+                    "--stall-timeout needs a number of seconds. Received: no "
+                    "value; pass e.g. --stall-timeout 240 (0 turns it off)."
+                )
+            try:
+                stall_timeout({STALL_TIMEOUT_VARIABLE: value})
+            except ValueError:
+                raise ValueError(
+                    "--stall-timeout must be a number of seconds, 0 to turn the "
+                    f"stall watch off. Received: --stall-timeout {value!r}; pass "
+                    "e.g. --stall-timeout 240."
+                ) from None
+            os.environ[STALL_TIMEOUT_VARIABLE] = value
+            del rest[i : i + taken]
+            break
+    return rest

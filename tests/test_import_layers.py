@@ -39,6 +39,7 @@ LAYERS = (
         "tested_versions",
         "heartbeat",
         "stall_settings",
+        "stall_positions",
         "stall_watch",
     ),
     # One executor per backend, and the contract they share; the join of a

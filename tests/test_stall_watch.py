@@ -12,9 +12,10 @@ import json
 
 import pytest
 
-from keras_parallel import stall_settings, stall_watch
+from keras_parallel import stall_positions, stall_settings, stall_watch
 from keras_parallel.backends.base import LocalStore
-from keras_parallel.stall_watch import STALLED_EXIT_CODE, StallWatch, decode_record
+from keras_parallel.stall_positions import decode_record
+from keras_parallel.stall_watch import STALLED_EXIT_CODE, StallWatch
 
 TIMEOUT = 30.0
 
@@ -152,17 +153,17 @@ def test_a_process_that_published_nothing_is_not_named():
 
 def test_positions_name_who_is_behind():
     at = {"moves": 8}
-    assert stall_watch.stalled_processes({0: at, 1: {"moves": 7}, 2: at}) == [1]
-    assert stall_watch.stalled_processes({0: at, 1: at}) == []
+    assert stall_positions.stalled_processes({0: at, 1: {"moves": 7}, 2: at}) == [1]
+    assert stall_positions.stalled_processes({0: at, 1: at}) == []
     waits = {"moves": 8, "waits_for": 2}
-    assert stall_watch.stalled_processes({0: waits, 1: waits, 2: at}) == [2]
+    assert stall_positions.stalled_processes({0: waits, 1: waits, 2: at}) == [2]
     # In a collective of every process (a step's, an exchange of batches):
     # those not in it are named.
-    every = {"moves": 8, "waits_for": stall_watch.EVERY_PROCESS}
-    assert stall_watch.stalled_processes({0: every, 1: at, 2: every}) == [1]
+    every = {"moves": 8, "waits_for": stall_positions.EVERY_PROCESS}
+    assert stall_positions.stalled_processes({0: every, 1: at, 2: every}) == [1]
     # Two processes waiting for each other's parts: neither is named.
     assert (
-        stall_watch.stalled_processes(
+        stall_positions.stalled_processes(
             {0: {"moves": 8, "waits_for": 1}, 1: {"moves": 8, "waits_for": 0}}
         )
         == []
@@ -272,10 +273,8 @@ def test_a_bad_timeout_names_the_variable_and_the_fix(value):
 def test_the_launchers_option_sets_the_variable_and_leaves_the_scripts_own(
     monkeypatch,
 ):
-    from keras_parallel.launcher import command
-
     monkeypatch.delenv("KERAS_PARALLEL_STALL_TIMEOUT", raising=False)
-    rest = command._stall_timeout(
+    rest = stall_settings.take_stall_timeout_option(
         [
             "--nproc-per-node",
             "2",
@@ -291,7 +290,7 @@ def test_the_launchers_option_sets_the_variable_and_leaves_the_scripts_own(
 
     assert os.environ["KERAS_PARALLEL_STALL_TIMEOUT"] == "30"
     with pytest.raises(ValueError, match="--stall-timeout must be a number"):
-        command._stall_timeout(["--stall-timeout=later", "train.py"])
+        stall_settings.take_stall_timeout_option(["--stall-timeout=later", "train.py"])
 
 
 def test_the_launchers_variable_is_the_one_it_sets():

@@ -17,14 +17,19 @@ from keras_parallel.persistence import stop_agreement
 from keras_parallel.persistence.stop_agreement import LocalStore, StopAgreement
 
 
-def train(num_processes, signals, steps=40, timeout=5.0, store=None):
+def train(
+    num_processes, signals, steps=40, timeout=5.0, store=None, agreement_timeout=None
+):
     """Runs `num_processes` lockstep loops; `signals` maps rank -> the step
     during which it gets a signal. Returns each rank's stop step (None: it
-    trained every step) and agreement."""
+    trained every step) and agreement. `agreement_timeout`: the agreements'
+    wait for every step (default `timeout`, the steps' own)."""
     store = store or LocalStore()
     collective = threading.Barrier(num_processes, timeout=timeout)
     agreements = [
-        StopAgreement(store, rank, num_processes, "fit-1", timeout=timeout)
+        StopAgreement(
+            store, rank, num_processes, "fit-1", timeout=agreement_timeout or timeout
+        )
         for rank in range(num_processes)
     ]
     stopped = [None] * num_processes
@@ -116,8 +121,10 @@ def test_without_the_watcher_a_signalled_process_waits_for_ever(monkeypatch):
     # the next step's collective, waiting for the signalled one, and only
     # their watchers can write their steps.
     monkeypatch.setattr(StopAgreement, "start", lambda self: None)
+    # The agreement waits longer than the step: the step breaks first (with
+    # both at 1 s, either could give up first on a busy machine).
     with pytest.raises(AssertionError, match="BrokenBarrierError"):
-        train(2, {1: 3}, timeout=1.0)
+        train(2, {1: 3}, timeout=1.0, agreement_timeout=5.0)
     # The watcher looks within the steps' 5 s (train's timeout) otherwise.
     assert stop_agreement.POLL_S < 5.0
 

@@ -24,6 +24,7 @@ if transport.is_end(part):
 """
 
 from keras_parallel import stall_watch, wire
+from keras_parallel.stall_positions import EVERY_PROCESS
 
 #: What an owner hands out once its source ran out, or was abandoned.
 END = "keras_parallel: end of the epoch"
@@ -126,7 +127,7 @@ def gathered(payload, allgather_bytes, where):
     Returns:
         A list with each process's decoded value, `None` where it sent none.
     """
-    with stall_watch.waiting_for(stall_watch.EVERY_PROCESS):
+    with stall_watch.waiting_for(EVERY_PROCESS):
         payloads = allgather_bytes(payload)
     return [
         wire.decode(made, where=f"{where} from process {process}") if made else None

@@ -11,7 +11,7 @@ import signal
 import sys
 import tempfile
 
-from keras_parallel import keras_config
+from keras_parallel import keras_config, stall_settings
 from keras_parallel.launcher import bootstrap, parent_death, supervisor
 from keras_parallel.launcher.checks import check_positive, check_script
 
@@ -86,7 +86,7 @@ def main(argv=None):
         return 0
     try:
         backend, argv = _backend(argv)
-        argv = _stall_timeout(argv)
+        argv = stall_settings.take_stall_timeout_option(argv)
         if backend == "jax":
             from keras_parallel.launcher import jax_processes
 
@@ -313,43 +313,6 @@ def _backend(argv):
             "--backend torch, or set KERAS_BACKEND."
         )
     return backend, rest
-
-
-def _stall_timeout(argv):
-    """`argv` without `--stall-timeout S`, which is set in this process's
-    environment for every process it starts (`KERAS_PARALLEL_STALL_TIMEOUT`).
-
-    Raises:
-        ValueError: S is not a number of seconds >= 0.
-    """
-    from keras_parallel.stall_settings import STALL_TIMEOUT_VARIABLE, stall_timeout
-
-    rest = list(argv)
-    for i, arg in enumerate(rest):
-        if arg.endswith(".py"):
-            break  # The script: what follows is its own.
-        if arg == "--stall-timeout" or arg.startswith("--stall-timeout="):
-            if "=" in arg:
-                value, taken = arg.split("=", 1)[1], 1
-            elif i + 1 < len(rest):
-                value, taken = rest[i + 1], 2
-            else:
-                raise ValueError(
-                    "--stall-timeout needs a number of seconds. Received: no "
-                    "value; pass e.g. --stall-timeout 240 (0 turns it off)."
-                )
-            try:
-                stall_timeout({STALL_TIMEOUT_VARIABLE: value})
-            except ValueError:
-                raise ValueError(
-                    "--stall-timeout must be a number of seconds, 0 to turn the "
-                    f"stall watch off. Received: --stall-timeout {value!r}; pass "
-                    "e.g. --stall-timeout 240."
-                ) from None
-            os.environ[STALL_TIMEOUT_VARIABLE] = value
-            del rest[i : i + taken]
-            break
-    return rest
 
 
 def _message(error):

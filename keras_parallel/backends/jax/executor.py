@@ -40,6 +40,7 @@ from keras_parallel.chief import (
 )
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
+from keras_parallel.stall_positions import EVERY_PROCESS
 
 
 class JaxExecutor(Executor):
@@ -236,7 +237,7 @@ class JaxExecutor(Executor):
             outputs = function(*args, **kwargs)
             # Its batch in hand, this process waits for every other in the
             # step's collectives (a stall of another is named: stall_watch).
-            with stall_watch.waiting_for(stall_watch.EVERY_PROCESS):
+            with stall_watch.waiting_for(EVERY_PROCESS):
                 _wait_for_step(outputs)
             return outputs
 
