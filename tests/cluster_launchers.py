@@ -56,10 +56,18 @@ SLURM_TASK_1_OF_2_NODES = {
 }
 
 
+_CHOOSER = random.SystemRandom()
+
+
 def free_port_run(count):
-    """A port in 15000-24999 with the `count - 1` after it free too."""
+    """A port in 15000-24999 with the `count - 1` after it free too.
+
+    Chosen with the operating system's randomness: `random`'s shared
+    generator is seeded by `keras.utils.set_random_seed`, and two test
+    runs side by side (CI's lanes) chose the same ports in turn.
+    """
     for _ in range(100):
-        port = random.randrange(15000, 25000 - count)
+        port = _CHOOSER.randrange(15000, 25000 - count)
         try:
             for offset in range(count):
                 with socket.socket() as probe:

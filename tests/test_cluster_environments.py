@@ -558,7 +558,8 @@ def _free_slurm_port():
     import socket
 
     for _ in range(50):
-        port = random.randrange(15000, 25000)
+        # Not `random`'s shared generator, which Keras's seeding fixes.
+        port = random.SystemRandom().randrange(15000, 25000)
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))

@@ -10,7 +10,11 @@ process sends itself SIGTERM, as a scheduler would to one task:
   uninterrupted run (1e-5, against one device, in this process: JAX with
   dropout; torch without, its ranks drawing their own masks; 1e-6
   TensorFlow, against the same two workers uninterrupted), every batch
-  split over the devices in both runs (`split_probe`).
+  split over the devices in both runs (`split_probe`);
+- JAX and torch: the same backup, resumed in this one process (JAX's 8
+  devices, torch's one), ends with the same weights, says what it resumed
+  from, and splits its batches over the devices it has now (another
+  topology; TensorFlow's, half its devices: tests/test_backup.py).
 
 JAX: 2 processes x 4 devices; torch: 2 processes; TensorFlow: 2 workers x 2
 devices, which divide a `PyDataset`'s batches (made round-robin, resumed
@@ -19,6 +23,8 @@ mid-epoch; arrays on JAX and torch, whose divided PyDataset resumes in
 """
 
 import json
+import re
+import shutil
 import time
 
 import keras
@@ -26,7 +32,7 @@ import numpy as np
 import pytest
 import resume_script
 from cluster_launchers import exit_codes, max_rel, start_two
-from split_probe import assert_divided
+from split_probe import assert_divided, clear, records
 
 BACKEND = keras.backend.backend()
 #: Per backend: consecutive free ports, the processes' variables, how many
@@ -91,7 +97,7 @@ SIGNAL_NAMES = ["SIGTERM"]
 
 @pytest.mark.parametrize("signal_name", SIGNAL_NAMES)
 def test_a_signal_to_one_process_stops_all_and_the_same_command_resumes(
-    tmp_path, uninterrupted, signal_name
+    tmp_path, uninterrupted, signal_name, capsys
 ):
     preempted = run(tmp_path, f"{signal_name}:1")
     ended = time.time()
@@ -106,6 +112,10 @@ def test_a_signal_to_one_process_stops_all_and_the_same_command_resumes(
     # batch later where the other had already answered batch 3.
     assert metadata["epoch"] == 2
     assert metadata["keras_parallel"]["steps_done"] in (4, 5), metadata
+    if BACKEND in ("jax", "torch"):
+        one_process = tmp_path / "resumed-in-one-process"
+        shutil.copytree(tmp_path / "backup", one_process)
+        resume_in_this_process(one_process, uninterrupted, capsys)
 
     resumed = run(tmp_path, f"{signal_name}:1")  # The same command.
     assert exit_codes(resumed) == [0, 0], resumed.stderr[-5000:]
@@ -116,3 +126,24 @@ def test_a_signal_to_one_process_stops_all_and_the_same_command_resumes(
                 (tmp_path / f"records{rank}-{run_index}.json").read_text()
             )
             assert_divided([tuple(r) for r in records], GLOBAL_BATCH, WAYS)
+
+
+def resume_in_this_process(directory, uninterrupted, capsys):
+    """Resumes the 2 processes' backup in this process, on every device it
+    has (JAX: 8 devices, as 2 x 4 were; torch: 1 device, as 2 were): the
+    uninterrupted run's weights, the batches split over the devices now."""
+    model = resume_script.build(probe=True, dropout=BACKEND == "jax")
+    clear()
+    capsys.readouterr()
+    resume_script.train(model, [keras.callbacks.BackupAndRestore(str(directory))])
+    devices = len(keras.distribution.list_devices())
+    made_on = {"jax": "8 devices in 2 processes", "torch": "2 devices in 2 processes"}
+    now = f"{devices} device{'s' * (devices != 1)} in 1 process"
+    assert re.search(
+        rf"keras_parallel: resumed in epoch 3 after [45] batches, from a backup "
+        rf"made on {made_on[BACKEND]}; now {now}",
+        capsys.readouterr().out,
+    )
+    assert_divided(records(), GLOBAL_BATCH, devices)
+    weights = [np.asarray(w) for w in model.get_weights()]
+    assert max_rel(weights, uninterrupted) <= TOLERANCE

@@ -47,6 +47,18 @@ jax_and_torch = pytest.mark.skipif(
 )
 
 
+#: torch's ranks each draw their own dropout masks: its runs train without
+#: dropout, and equal one device in this process (a launch fewer).
+DROPOUT = BACKEND != "torch"
+
+
+def script_env(**variables):
+    """The launched script's environment: this checkout, this backend."""
+    if not DROPOUT:
+        variables.setdefault("RESUME_DROPOUT", "0")
+    return checkout_env(KERAS_BACKEND=BACKEND, **variables)
+
+
 def command(processes, *args, restarts=0):
     if processes == 1:
         return [sys.executable, SCRIPT, *map(str, args)]
@@ -69,9 +81,7 @@ def command(processes, *args, restarts=0):
 
 
 def run(processes, *args):
-    result = run_in_session(
-        command(processes, *args), checkout_env(KERAS_BACKEND=BACKEND), TIMEOUT_S
-    )
+    result = run_in_session(command(processes, *args), script_env(), TIMEOUT_S)
     return result
 
 
@@ -81,7 +91,7 @@ def kill_the_launcher_at_killpoint(processes, out, backup):
     it started must end with it, within 10 s (`launcher/parent_death.py`)."""
     process = subprocess.Popen(
         command(processes, out, backup, "wait"),
-        env=checkout_env(KERAS_BACKEND=BACKEND),
+        env=script_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -115,9 +125,10 @@ def final_weights(out):
 
 
 def reference_in_process(source="arrays"):
+    """One run in this process: JAX on its 8 devices, torch on one."""
     import resume_script
 
-    model = resume_script.build()
+    model = resume_script.build(distributed=BACKEND == "jax", dropout=DROPOUT)
     resume_script.train(model, source=source)
     return [np.asarray(w) for w in model.get_weights()]
 
@@ -145,31 +156,23 @@ def test_one_jax_process_killed_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def uninterrupted_run(tmp_path_factory, source="arrays"):
-    """The final weights of an uninterrupted run, and the tolerance."""
-    if BACKEND == "jax":
-        return reference_in_process(source), 1e-5  # 2 x 4 devices = 1 x 8.
-    # torch: 2 ranks (each rank draws its own dropout masks).
-    reference = tmp_path_factory.mktemp("reference")
-    result = run_in_session(
-        command(2, reference, reference / "backup"),
-        checkout_env(KERAS_BACKEND=BACKEND, RESUME_INPUT=source),
-        TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return final_weights(reference), 1e-6
+def uninterrupted_run(source="arrays"):
+    """The final weights of an uninterrupted run in this process, and the
+    tolerance: 2 x 4 JAX devices train as 1 x 8, 2 torch ranks as one
+    device (without dropout)."""
+    return reference_in_process(source), 1e-5
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return uninterrupted_run(tmp_path_factory)
+def uninterrupted():
+    return uninterrupted_run()
 
 
 def start(processes, out, *args, **variables):
     """Starts the script in a session of its own; returns the Popen."""
     return subprocess.Popen(
         command(processes, out, *args),
-        env=checkout_env(KERAS_BACKEND=BACKEND, **variables),
+        env=script_env(**variables),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -229,6 +232,12 @@ def test_a_killed_launcher_takes_every_process_with_it_and_the_run_resumes_exact
     )
 
 
+@pytest.mark.skipif(
+    BACKEND == "jax",
+    reason="JAX: test_max_restarts_restarts_the_group_and_resumes_exactly kills a "
+    "process, names it and ends the others before it restarts them (torch's "
+    "restarts are torchrun's agent's)",
+)
 def test_one_process_killed_ends_every_process(tmp_path):
     process = start(2, tmp_path, tmp_path / "backup", "self")
     wait_for_killpoint(process, tmp_path)
@@ -277,17 +286,19 @@ def test_stopped_launcher_ends_every_process_and_keeps_its_backup(tmp_path, sign
 STALL_TIMEOUT_S = 10
 
 
-def stalled_run(tmp_path, kill, **variables):
+def stalled_run(tmp_path, kill, alike_first=False, **variables):
     """Launches the script with `kill` (a stall of process 1) under a short
-    stall timeout, every process first sleeping alike for longer than it;
-    returns `(exit code, stderr)` once the launcher ended."""
+    stall timeout (with `alike_first`, every process first sleeping alike
+    for longer than it); returns `(exit code, stderr)` once the launcher
+    ended."""
+    if alike_first:
+        variables["ALIKE_SLEEP"] = str(STALL_TIMEOUT_S + 4)
     process = start(
         2,
         tmp_path,
         tmp_path / "backup",
         kill,
         KERAS_PARALLEL_STALL_TIMEOUT=str(STALL_TIMEOUT_S),
-        ALIKE_SLEEP=str(STALL_TIMEOUT_S + 4),
         **variables,
     )
     code, err, _ = finish(process, TIMEOUT_S)
@@ -317,7 +328,7 @@ def test_a_process_asleep_in_a_callback_is_named_and_every_process_ends(tmp_path
     # code 77, the last backup left as it was (epoch 2's: processes ended
     # without a write, as a killed run's, whose backup resumes exactly:
     # test_a_killed_launcher_takes_every_process_with_it_...).
-    code, err = stalled_run(tmp_path, "wait:1")
+    code, err = stalled_run(tmp_path, "wait:1", alike_first=True)
     assert code == 77, err[-4000:]
     report = assert_names_process_1(err, "asleep_in_a_callback")
     assert "after training batch 3 of epoch 2 ended" in report, report
@@ -349,11 +360,15 @@ def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterru
     backup = tmp_path / "backup"
     result = run_in_session(
         command(2, tmp_path, backup, "self", restarts=1),
-        checkout_env(KERAS_BACKEND=BACKEND),
+        script_env(),
         TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert os.path.exists(tmp_path / "killpoint")  # It was killed once.
+    if BACKEND == "jax":
+        # Named (no traceback to point to), the others ended, restarted.
+        assert "process 0 was killed by signal 9 (SIGKILL)" in result.stderr
+        assert "restart 1 of 1" in result.stderr
     expected, rtol = uninterrupted
     assert_weights_equal(final_weights(tmp_path), expected, rtol)
     assert running(str(tmp_path)) == []
@@ -361,7 +376,7 @@ def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterru
 
 @jax_and_torch
 def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
-    tmp_path, tmp_path_factory
+    tmp_path,
 ):
     # A scheduler's SIGTERM to `keras-parallel launch` reaches every
     # process, which stop at one step with the backup written (exit code
@@ -370,7 +385,7 @@ def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
     # round-robin and exchange (divided input): resumed mid-epoch, each
     # process passes over the batches already trained as one device does.
     backup = tmp_path / "backup"
-    env = checkout_env(KERAS_BACKEND=BACKEND, RESUME_INPUT="pydataset")
+    env = script_env(RESUME_INPUT="pydataset")
     result = run_in_session(
         command(2, tmp_path, backup, "SIGTERM:launcher", restarts=1), env, TIMEOUT_S
     )
@@ -388,7 +403,7 @@ def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
     assert running(str(tmp_path)) == []
     resumed = run_in_session(command(2, tmp_path, backup), env, TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    expected, rtol = uninterrupted_run(tmp_path_factory, "pydataset")
+    expected, rtol = uninterrupted_run("pydataset")
     assert_weights_equal(final_weights(tmp_path), expected, rtol)
     # Both runs split every batch of 16 (8 devices on JAX, 2 ranks).
     ways = 8 if BACKEND == "jax" else 2

@@ -1,13 +1,50 @@
 """Ports on this node: a free one to listen on, or a refusal to start on a taken one."""
 
 import os
+import random
 import socket
 
 from keras_parallel.cluster_environments.base import bind_error
 
+#: Where `free_port` looks: above the ports services register, below the
+#: kernel's ephemeral range (read from Linux; IANA's 49152 elsewhere).
+LOWEST_CHOSEN_PORT = 10000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: The operating system's randomness, not `random`'s shared generator:
+#: `keras.utils.set_random_seed` seeds that one, and two runs seeded
+#: alike chose the same ports, one after the other, and collided.
+_CHOOSER = random.SystemRandom()
+
+
+def _ephemeral_low():
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
 
 def free_port(host="127.0.0.1"):
-    """A TCP port nobody listens on now (for `MASTER_PORT`)."""
+    """A TCP port nobody listens on now (for `MASTER_PORT`).
+
+    Chosen at random below the kernel's ephemeral range: a port the kernel
+    hands out (an outgoing connection's, another program's `bind(0)`) could
+    be taken by anything on the machine between this choice and the
+    coordinator's bind, and was (two runs side by side). Below that range
+    only a program that names the port takes it.
+
+    Args:
+        host: the address to check the port on.
+
+    Returns:
+        The port, free on `host` when checked.
+    """
+    high = max(_ephemeral_low(), LOWEST_CHOSEN_PORT + 1000)
+    for _ in range(200):
+        port = _CHOOSER.randrange(LOWEST_CHOSEN_PORT, high)
+        if bind_error(host, port) is None:
+            return port
+    # Every try taken (a crowded machine): the kernel's choice.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

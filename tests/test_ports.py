@@ -1,0 +1,57 @@
+"""`keras_parallel.launcher.ports`: the ports a launch of one node chooses."""
+
+import socket
+
+import pytest
+from backend_neutral import once
+
+from keras_parallel.launcher import ports
+
+pytestmark = once
+
+
+def test_a_free_port_is_below_the_kernels_ephemeral_range(monkeypatch, tmp_path):
+    # The kernel hands out ports of its ephemeral range to any program's
+    # outgoing connection or bind(0): one chosen there can be taken before
+    # the coordinator binds it (seen with two test runs side by side).
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text("32768\t60999\n")
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", str(range_file))
+    chosen = {ports.free_port() for _ in range(50)}
+    assert all(ports.LOWEST_CHOSEN_PORT <= port < 32768 for port in chosen)
+    assert len(chosen) > 1  # Chosen at random, not the same each time.
+
+
+def test_a_taken_port_is_not_chosen(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        choices = iter([port, port, port + 1 if port < 65535 else port - 1])
+        monkeypatch.setattr(ports._CHOOSER, "randrange", lambda *_: next(choices))
+        assert ports.free_port() != port
+
+
+def test_without_the_ranges_file_the_iana_range_is_avoided(monkeypatch, tmp_path):
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", str(tmp_path / "missing"))
+    assert all(ports.free_port() < 49152 for _ in range(20))
+
+
+def test_the_choice_ignores_the_seed_keras_sets():
+    # keras.utils.set_random_seed seeds `random`: two runs seeded alike
+    # (two test runs side by side) must still choose apart.
+    import random
+
+    chosen = []
+    for _ in range(2):
+        random.seed(1)
+        chosen.append([ports.free_port() for _ in range(5)])
+    assert chosen[0] != chosen[1]
+
+
+@pytest.mark.parametrize("content", ["", "not a number"])
+def test_an_unreadable_ranges_file_is_the_iana_range(monkeypatch, tmp_path, content):
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text(content)
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", str(range_file))
+    assert ports._ephemeral_low() == 49152
