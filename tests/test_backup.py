@@ -267,7 +267,10 @@ def test_mid_epoch_backup_resumes_after_the_batches_it_trained(
     assert_same(weights(model), uninterrupted)
 
 
-def test_mid_epoch_backup_refuses_shorter_data(tmp_path):
+@pytest.mark.parametrize("batch_size", [64, 16])
+def test_mid_epoch_backup_refuses_another_batch_size(tmp_path, batch_size):
+    # Made with batches of 32 (7 an epoch), resumed with 64 (4) or 16 (13):
+    # refused before anything is loaded, the model left as it was.
     directory = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):
         fit(
@@ -277,11 +280,42 @@ def test_mid_epoch_backup_refuses_shorter_data(tmp_path):
                 Interrupt((2, 5)),
             ],
         )
-    with pytest.raises(backup.BackupError, match="after 6 batches of its epoch"):
+    model = resume_script.build()
+    before = weights(model)
+    batches = -(-203 // batch_size)
+    with pytest.raises(
+        backup.BackupError,
+        match=f"made with 7 batches an epoch, and this run has {batches}",
+    ):
+        fit(
+            model,
+            [keras.callbacks.BackupAndRestore(directory, save_freq=2)],
+            batch_size=batch_size,
+        )
+    for a, b in zip(weights(model), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mid_epoch_backup_refuses_a_generator_that_runs_short(tmp_path):
+    # A generator has no length to compare: refused when it ends before the
+    # batches the backup had trained (6 here; it gives 4).
+    directory = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
         fit(
             resume_script.build(),
-            [keras.callbacks.BackupAndRestore(directory, save_freq=2)],
-            batch_size=64,  # 4 batches an epoch.
+            [
+                keras.callbacks.BackupAndRestore(directory, save_freq=2),
+                Interrupt((2, 5)),
+            ],
+        )
+    x, y = resume_script.data()
+    four = ((x[i : i + 32], y[i : i + 32]) for i in range(0, 128, 32))
+    with pytest.raises(backup.BackupError, match="after 6 batches of its epoch"):
+        resume_script.build().fit(
+            four,
+            epochs=4,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(directory, save_freq=2)],
         )
 
 

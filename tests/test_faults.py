@@ -401,14 +401,23 @@ def test_a_preempted_launcher_stops_every_process_at_one_step_and_resumes(
     assert (metadata["epoch"], steps_done >= 4) in ((2, True), (3, False)), metadata
     assert "Input: PyDataset, batches made round-robin" in result.stdout
     assert running(str(tmp_path)) == []
-    resumed = run_in_session(command(2, tmp_path, backup), env, TIMEOUT_S)
+    # torch resumes on 4 ranks (another topology: the same global batches,
+    # split 4 ways, its PyDataset's batches made round-robin by 4); JAX's
+    # 2 processes resume as 1 in tests/test_cluster_preemption.py.
+    processes = 4 if BACKEND == "torch" else 2
+    resumed = run_in_session(command(processes, tmp_path, backup), env, TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    if BACKEND == "torch":
+        assert (
+            "from a backup made on 2 devices in 2 processes; now 4 devices in 4 "
+            "processes"
+        ) in resumed.stdout, resumed.stdout[-3000:]
     expected, rtol = uninterrupted_run("pydataset")
     assert_weights_equal(final_weights(tmp_path), expected, rtol)
-    # Both runs split every batch of 16 (8 devices on JAX, 2 ranks).
-    ways = 8 if BACKEND == "jax" else 2
-    for run_index in (0, 1):
-        for rank in (0, 1):
+    # Both runs split every batch of 16 (8 devices on JAX; 2 ranks, then 4).
+    for run_index, ranks in ((0, 2), (1, processes)):
+        ways = 8 if BACKEND == "jax" else ranks
+        for rank in range(ranks):
             path = tmp_path / f"records{rank}-{run_index}.json"
             assert_divided([tuple(r) for r in json.loads(path.read_text())], 16, ways)
     assert running(str(tmp_path)) == []

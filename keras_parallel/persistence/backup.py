@@ -174,6 +174,8 @@ def _save(callback, executor):
             "random_state": state,
             "steps_done": steps_done,
             "topology": _topology(executor),
+            # Another batch size (or data) would resume at another row.
+            "batches_per_epoch": (callback.params or {}).get("steps"),
         },
     }
     if not executor.is_chief:
@@ -212,9 +214,27 @@ def _load(callback, executor):
         _restore(callback, fallback, executor)
 
 
+def _check_batches_per_epoch(callback, ours):
+    """Refuses a backup made with another number of batches an epoch: its
+    position (batches trained, the epoch's shuffle) names other rows."""
+    made = ours.get("batches_per_epoch")
+    now = (callback.params or {}).get("steps")
+    if made is None or now is None or made == now:
+        return  # A backup of before, or data without a length.
+    raise BackupError(
+        f"the backup in {callback.backup_dir!r} was made with {made} batches "
+        f"an epoch, and this run has {now}. Received: another global batch "
+        "size or other data than the run that wrote the backup; resume with "
+        "the same data and `batch_size` (on any number of devices), or delete "
+        "the backup folder to start afresh."
+    )
+
+
 def _restore(callback, metadata, executor):
     model = callback.model
     ours = metadata.get(METADATA_KEY)
+    if ours:
+        _check_batches_per_epoch(callback, ours)  # Before anything is loaded.
     name = ours["weights"] if ours else os.path.basename(callback._weights_path)
     weights = os.path.join(callback.backup_dir, name)
     if os.path.exists(weights):
