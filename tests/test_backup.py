@@ -267,10 +267,9 @@ def test_mid_epoch_backup_resumes_after_the_batches_it_trained(
     assert_same(weights(model), uninterrupted)
 
 
-@pytest.mark.parametrize("batch_size", [64, 16])
-def test_mid_epoch_backup_refuses_another_batch_size(tmp_path, batch_size):
-    # Made with batches of 32 (7 an epoch), resumed with 64 (4) or 16 (13):
-    # refused before anything is loaded, the model left as it was.
+def backup_after_six_batches(tmp_path):
+    """A backup saved every 2 batches, interrupted at epoch 2, batch 5 (6
+    batches of 32 trained in it); returns its folder."""
     directory = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="interrupted"):
         fit(
@@ -280,6 +279,14 @@ def test_mid_epoch_backup_refuses_another_batch_size(tmp_path, batch_size):
                 Interrupt((2, 5)),
             ],
         )
+    return directory
+
+
+@pytest.mark.parametrize("batch_size", [64, 16])
+def test_mid_epoch_backup_refuses_another_batch_size(tmp_path, batch_size):
+    # Made with batches of 32 (7 an epoch), resumed with 64 (4) or 16 (13):
+    # refused before anything is loaded, the model left as it was.
+    directory = backup_after_six_batches(tmp_path)
     model = resume_script.build()
     before = weights(model)
     batches = -(-203 // batch_size)
@@ -299,15 +306,7 @@ def test_mid_epoch_backup_refuses_another_batch_size(tmp_path, batch_size):
 def test_mid_epoch_backup_refuses_a_generator_that_runs_short(tmp_path):
     # A generator has no length to compare: refused when it ends before the
     # batches the backup had trained (6 here; it gives 4).
-    directory = str(tmp_path / "backup")
-    with pytest.raises(RuntimeError, match="interrupted"):
-        fit(
-            resume_script.build(),
-            [
-                keras.callbacks.BackupAndRestore(directory, save_freq=2),
-                Interrupt((2, 5)),
-            ],
-        )
+    directory = backup_after_six_batches(tmp_path)
     x, y = resume_script.data()
     four = ((x[i : i + 32], y[i : i + 32]) for i in range(0, 128, 32))
     with pytest.raises(backup.BackupError, match="after 6 batches of its epoch"):
