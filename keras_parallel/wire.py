@@ -13,6 +13,14 @@ index of a buffer) and each buffer's dtype, shape, offset and size. Only
 numeric, boolean and fixed-width string dtypes decode; object arrays are
 refused on both sides.
 
+Decoding is bounded by what was received: the buffers lie one after
+another, without gaps or overlaps, and fill the body exactly (a decoded
+value is never larger than its payload: a header pointing many buffers at
+one body was a 236 KB payload decoding to 201 MB); the header is at most
+`MAX_HEADER_BYTES`, its buffers at most `MAX_BUFFERS`, its nesting at most
+`MAX_DEPTH`; a length read from another process is at most
+`MAX_PAYLOAD_BYTES` (`checked_length`).
+
 Example:
 
 ```python
@@ -34,6 +42,15 @@ _KINDS = frozenset("biufcUS")
 #: Nesting deeper than this is refused (a crafted header cannot recurse
 #: the decoder out of its stack).
 MAX_DEPTH = 64
+#: The largest header decoded: the tree and the buffers' specs of a batch
+#: of thousands of arrays take a few hundred KB.
+MAX_HEADER_BYTES = 16 * 2**20
+#: The most buffers one payload may hold.
+MAX_BUFFERS = 2**16
+#: The largest payload a process accepts a length for (a collective's
+#: length prefix, read before the bytes): 2 GiB, the most an int32 length
+#: says.
+MAX_PAYLOAD_BYTES = 2**31 - 1
 
 
 class WireFormatError(ValueError):
@@ -99,25 +116,82 @@ def decode(payload, where="a value"):
         if len(payload) < 8:
             raise ValueError("it ends inside its header length")
         (length,) = _LENGTH.unpack(payload[4:8])
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"its header of {length} bytes is over {MAX_HEADER_BYTES} bytes"
+            )
         if 8 + length > len(payload):
             raise ValueError(
                 f"its header of {length} bytes runs past its {len(payload)} bytes"
             )
         header = json.loads(payload[8 : 8 + length].decode())
         body = memoryview(payload)[8 + length :]
-        arrays = [_array(spec, body) for spec in header["arrays"]]
-        return _decode(header["tree"], arrays, 0)
+        specs = _contiguous(header["arrays"], len(body))
+        arrays = [_array(spec, body) for spec in specs]
+        return _decode(header["tree"], arrays, 0, set())
     except WireFormatError:
         raise
+    except RecursionError:
+        # JSON nested past Python's recursion limit: refused, not a crash.
+        raise _refused(where, payload, "its header is nested too deep") from None
     except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as error:
+        raise _refused(where, payload, error) from None
+
+
+def _refused(where, payload, why):
+    return WireFormatError(
+        f"{where} is not keras_parallel's data format and was refused: "
+        f"{why}. Received: {len(payload)} bytes starting "
+        f"{payload[:16]!r}. Nothing in it was run; every process of a run "
+        "must be keras_parallel of the same version, on a network only "
+        "the run's machines can reach (docs/multihost.md, \"Network and "
+        'trust").'
+    )
+
+
+def checked_length(length, where):
+    """A length another process sent before its bytes, refused past
+    `MAX_PAYLOAD_BYTES` (or below 0) before anything is allocated for it.
+
+    Args:
+        length: the length received (any integer).
+        where: what it is and who sent it, for the error.
+
+    Returns:
+        `length`, as an `int`.
+
+    Raises:
+        WireFormatError: the length is negative or over the bound.
+    """
+    length = int(length)
+    if not 0 <= length <= MAX_PAYLOAD_BYTES:
         raise WireFormatError(
-            f"{where} is not keras_parallel's data format and was refused: "
-            f"{error}. Received: {len(payload)} bytes starting "
-            f"{payload[:16]!r}. Nothing in it was run; every process of a run "
-            "must be keras_parallel of the same version, on a network only "
-            "the run's machines can reach (docs/multihost.md, \"Network and "
-            'trust").'
-        ) from None
+            f"{where} announced {length} bytes, outside 0..{MAX_PAYLOAD_BYTES}, "
+            "and was refused before anything was allocated. Received: a "
+            f"length of {length}; every process of a run must be keras_parallel "
+            'of the same version (docs/multihost.md, "Network and trust").'
+        )
+    return length
+
+
+def _contiguous(specs, body_size):
+    """The buffers' specs, checked to lie one after another and fill the
+    body exactly: no byte decodes twice."""
+    if not isinstance(specs, list) or len(specs) > MAX_BUFFERS:
+        raise ValueError(f"a list of at most {MAX_BUFFERS} buffers is expected")
+    offset = 0
+    for spec in specs:
+        if int(spec["offset"]) != offset:
+            raise ValueError(
+                f"a buffer at {spec['offset']!r:.20}, where the one before ended "
+                f"at {offset}: buffers lie one after another"
+            )
+        offset += int(spec["nbytes"])
+    if offset != body_size:
+        raise ValueError(
+            f"buffers of {offset} bytes in a body of {body_size}: they must fill it"
+        )
+    return specs
 
 
 def _encode(value, buffers, depth):
@@ -177,7 +251,9 @@ def _array(spec, body):
     return np.frombuffer(body[offset : offset + nbytes], dtype).reshape(shape).copy()
 
 
-def _decode(node, arrays, depth):
+def _decode(node, arrays, depth, used):
+    """The value of `node`; `used`: the buffer indices already decoded (each
+    buffer is one value: a tree naming one twice would copy it again)."""
     if depth > MAX_DEPTH:
         raise ValueError(f"a value nested deeper than {MAX_DEPTH} levels")
     if node is None or isinstance(node, (bool, int, str)):
@@ -187,26 +263,30 @@ def _decode(node, arrays, depth):
     if "float" in node:
         return float(node["float"])
     if "bytes" in node:
-        return arrays[_index(node["bytes"])].tobytes()
+        return arrays[_index(node["bytes"], used)].tobytes()
     if "array" in node:
-        return arrays[_index(node["array"])]
+        return arrays[_index(node["array"], used)]
     if "scalar" in node:
-        return arrays[_index(node["scalar"])][()]
+        return arrays[_index(node["scalar"], used)][()]
     if "list" in node or "tuple" in node:
         items = [
-            _decode(v, arrays, depth + 1) for v in node.get("list", node.get("tuple"))
+            _decode(v, arrays, depth + 1, used)
+            for v in node.get("list", node.get("tuple"))
         ]
         return items if "list" in node else tuple(items)
     if "keys" in node:
-        keys = [_decode(k, arrays, depth + 1) for k in node["keys"]]
-        values = [_decode(v, arrays, depth + 1) for v in node["values"]]
+        keys = [_decode(k, arrays, depth + 1, used) for k in node["keys"]]
+        values = [_decode(v, arrays, depth + 1, used) for v in node["values"]]
         if len(keys) != len(values):
             raise ValueError("a dict with more keys than values")
         return dict(zip(keys, values, strict=True))
     raise ValueError(f"an unknown node {node!r:.40}")
 
 
-def _index(value):
+def _index(value, used):
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"a buffer index {value!r:.20}")
+    if value in used:
+        raise ValueError(f"buffer {value} named twice: each buffer is one value")
+    used.add(value)
     return value

@@ -39,6 +39,30 @@ def test_nothing_written_replaces_nothing(tmp_path):
     assert path.read_text() == "old"
 
 
+def test_the_temporary_is_a_new_file_of_its_user_under_an_unguessable_name(
+    tmp_path,
+):
+    # In a folder others can write to, a name known in advance could be a
+    # symbolic link placed there to send the write elsewhere.
+    names = []
+    for _ in range(2):
+        with atomic.replacing(tmp_path / "model.keras") as temporary:
+            assert os.path.isfile(temporary) and not os.path.islink(temporary)
+            assert os.stat(temporary).st_mode & 0o777 == 0o600
+            assert str(os.getpid()) not in os.path.basename(temporary)
+            names.append(temporary)
+    assert names[0] != names[1]
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_with_overwrite_false_writes_a_new_file(tmp_path):
+    # The temporary exists before Keras writes it: Keras must not ask.
+    model = resume_script.build()
+    path = tmp_path / "model.weights.h5"
+    model.save_weights(path, overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == ["model.weights.h5"]
+
+
 def test_remote_paths_are_written_in_place():
     with atomic.replacing("gs://bucket/model.keras") as temporary:
         assert temporary == "gs://bucket/model.keras"

@@ -303,6 +303,32 @@ def test_mid_epoch_backup_refuses_another_batch_size(tmp_path, batch_size):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_backup_folder_is_its_users_alone(tmp_path, monkeypatch):
+    # Made readable by its user only; one another user owns (a shared
+    # /tmp) is refused before anything is read, the model as it was.
+    directory = backup_after_six_batches(tmp_path)
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    model = resume_script.build()
+    before = weights(model)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(directory).st_uid + 1)
+    with pytest.raises(backup.BackupError, match="belongs to another user"):
+        fit(model, [keras.callbacks.BackupAndRestore(directory)])
+    for a, b in zip(weights(model), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["../../weights-1.weights.h5", "/etc/passwd", 7])
+def test_metadata_naming_another_file_is_refused(tmp_path, name):
+    directory = backup_after_six_batches(tmp_path)
+    path = os.path.join(directory, "training_metadata.json")
+    metadata = json.load(open(path))
+    metadata[backup.METADATA_KEY]["weights"] = name
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    with pytest.raises(backup.BackupError, match="not a name a backup writes"):
+        fit(resume_script.build(), [keras.callbacks.BackupAndRestore(directory)])
+
+
 def test_mid_epoch_backup_refuses_a_generator_that_runs_short(tmp_path):
     # A generator has no length to compare: refused when it ends before the
     # batches the backup had trained (6 here; it gives 4).

@@ -338,19 +338,27 @@ def test_a_process_asleep_in_a_callback_is_named_and_every_process_ends(tmp_path
     assert (metadata["epoch"], metadata["keras_parallel"]["steps_done"]) == (2, 0)
 
 
-@jax_and_torch
-def test_a_process_asleep_making_its_batch_is_named(tmp_path):
-    # JAX: the processes make a PyDataset's batches round-robin, process 1
-    # asleep in `__getitem__`, process 0 waiting for its part at the same
-    # step of Keras's loop. torch: rank 1's DataLoader worker asleep in
-    # `__getitem__`, rank 1 waiting for it before its next batch; the worker
-    # ends with its rank (no process left).
-    if BACKEND == "jax":
-        code, err = stalled_run(tmp_path, "getitem:1", RESUME_INPUT="pydataset")
-        asleep_in = "asleep_making_a_batch"
-    else:
-        code, err = stalled_run(tmp_path, "getitem:1", RESUME_INPUT="dataloader")
-        asleep_in = "_get_data"  # Rank 1's main thread: waiting for its worker.
+#: What a process is asleep making its batch from, per backend, and where
+#: its stack shows it: a `PyDataset` whose batches the processes make
+#: round-robin (every backend), and torch's `DataLoader` worker.
+MAKING_A_BATCH = {
+    "jax": [("pydataset", "asleep_making_a_batch")],
+    "torch": [
+        ("pydataset", "asleep_making_a_batch"),
+        # Rank 1's main thread waits for its worker, asleep in `__getitem__`.
+        ("dataloader", "_get_data"),
+    ],
+    "tensorflow": [("pydataset", "asleep_making_a_batch")],
+}[BACKEND]
+
+
+@pytest.mark.parametrize("source, asleep_in", MAKING_A_BATCH)
+def test_a_process_asleep_making_its_batch_is_named(tmp_path, source, asleep_in):
+    # Process 1 asleep in the `__getitem__` of its part of a PyDataset's
+    # batches, process 0 waiting for that part at the same step of Keras's
+    # loop; or rank 1's DataLoader worker asleep, rank 1 waiting for it
+    # before its next batch (the worker ends with its rank: no process left).
+    code, err = stalled_run(tmp_path, "getitem:1", RESUME_INPUT=source)
     assert code == 77, err[-4000:]
     assert_names_process_1(err, asleep_in)
 

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -118,19 +119,90 @@ def test_a_damaged_payload_is_refused_naming_where_it_came_from(damage):
         wire.decode(payload, where="key 'k' from process 2")
 
 
+def _payload(header, body=b""):
+    raw = json.dumps(header).encode()
+    return wire.MAGIC + len(raw).to_bytes(4, "big") + raw + body
+
+
+def test_buffers_pointing_at_one_body_are_refused_before_any_copy():
+    # 236 KB that decoded to 201 MB: many buffers over the same bytes.
+    body = bytes(2**16)
+    spec = {"dtype": "|u1", "shape": [2**16], "offset": 0, "nbytes": 2**16}
+    header = {
+        "tree": {"list": [{"array": i} for i in range(1000)]},
+        "arrays": [spec] * 1000,
+    }
+    with pytest.raises(WireFormatError, match="buffers lie one after another"):
+        wire.decode(_payload(header, body))
+
+
+def test_one_buffer_named_twice_in_the_tree_is_refused():
+    body = bytes(2**16)
+    spec = {"dtype": "|u1", "shape": [2**16], "offset": 0, "nbytes": 2**16}
+    header = {"tree": {"list": [{"bytes": 0}] * 1000}, "arrays": [spec]}
+    with pytest.raises(WireFormatError, match="buffer 0 named twice"):
+        wire.decode(_payload(header, body))
+
+
+def test_bytes_after_the_buffers_are_refused():
+    good = wire.encode(np.ones(4, "float32"))
+    with pytest.raises(WireFormatError, match="they must fill it"):
+        wire.decode(good + b"extra")
+
+
+def test_a_header_nested_past_the_recursion_limit_is_refused():
+    raw = b"[" * 200_000 + b"]" * 200_000
+    payload = wire.MAGIC + len(raw).to_bytes(4, "big") + raw
+    with pytest.raises(WireFormatError, match="nested too deep"):
+        wire.decode(payload, where="key 'k' from process 1")
+
+
+def test_a_header_over_its_bound_is_refused_before_it_is_parsed():
+    payload = wire.MAGIC + (wire.MAX_HEADER_BYTES + 1).to_bytes(4, "big") + b"{}"
+    with pytest.raises(WireFormatError, match="over"):
+        wire.decode(payload)
+
+
+def test_more_buffers_than_the_bound_are_refused():
+    spec = {"dtype": "|u1", "shape": [0], "offset": 0, "nbytes": 0}
+    header = {"tree": None, "arrays": [spec] * (wire.MAX_BUFFERS + 1)}
+    with pytest.raises(WireFormatError, match="at most"):
+        wire.decode(_payload(header))
+
+
+@pytest.mark.parametrize("length", [-1, wire.MAX_PAYLOAD_BYTES + 1, 2**62])
+def test_a_length_prefix_out_of_bounds_is_refused(length):
+    with pytest.raises(WireFormatError, match="refused before anything"):
+        wire.checked_length(length, "a value broadcast by process 1")
+    assert wire.checked_length(12, "a value") == 12
+
+
 #: Where keras_parallel may still pickle, and why none of it comes from the
 #: network.
 PICKLING_ALLOWED = {
     # The parent of `keras_parallel.launch` reads its own children's return
-    # values and errors through multiprocessing's queue (a local pipe).
-    "launcher/torch_processes.py": ("pickle.loads", "pickle.dumps"),
+    # values and errors through multiprocessing's queue (a local pipe
+    # between the parent and the children it forked or spawned).
+    "launcher/torch_processes.py": ("pickle.loads", "pickle.dumps", "SimpleQueue"),
 }
+#: Explicit pickling, and the calls that unpickle by themselves: torch's
+#: object collectives, multiprocessing's queues and connections, NumPy's
+#: object arrays; `torch.load` is checked apart (with `weights_only=True`
+#: it unpickles tensors only).
 FORBIDDEN = (
     "pickle.loads",
     "pickle.load(",
     "pickle.dumps",
     "cloudpickle",
     "_object_list",
+    "gather_object",
+    "broadcast_object",
+    "scatter_object",
+    "SimpleQueue",
+    "multiprocessing.Queue",
+    ".recv(",
+    "multiprocessing.connection",
+    ".Pipe(",
     "allow_pickle=True",
 )
 
@@ -155,4 +227,28 @@ def test_nothing_received_from_another_process_is_unpickled():
         for word in FORBIDDEN:
             if word in code and word not in PICKLING_ALLOWED.get(name, ()):
                 found.append(f"{name}: {word}")
+        for call in re.finditer(r"torch\.load\(([^)]*)\)", code):
+            if "weights_only=True" not in call.group(1).replace(" ", ""):
+                found.append(f"{name}: torch.load without weights_only=True")
     assert not found, found
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "dist.all_gather_object(out, value)",
+        "queue = multiprocessing.SimpleQueue()",
+        "state = torch.load(path)",
+        "data = conn.recv()",
+    ],
+)
+def test_the_no_pickle_check_finds_implicit_unpickling(line, tmp_path, monkeypatch):
+    # The check above, on a package holding one such line, goes red.
+    import keras_parallel
+
+    package = tmp_path / "keras_parallel"
+    package.mkdir()
+    (package / "module.py").write_text(line + "\n")
+    monkeypatch.setattr(keras_parallel, "__file__", str(package / "__init__.py"))
+    with pytest.raises(AssertionError, match="module.py"):
+        test_nothing_received_from_another_process_is_unpickled()

@@ -92,7 +92,11 @@ class Handout:
         where = f"{key!r} from {self.who} {owner}"
         if self.scatter_bytes is not None:
             payloads = None if parts is None else [wire.encode(p) for p in parts]
-            with stall_watch.waiting_for(owner if parts is None else None):
+            # A collective: the owner waits for every process to join it
+            # (one asleep making its own part is the stall), the others
+            # for the owner.
+            waits_for = owner if parts is None else EVERY_PROCESS
+            with stall_watch.waiting_for(waits_for):
                 payload = self.scatter_bytes(payloads, owner)
             return wire.decode(payload, where=where)
         if self.process == owner:

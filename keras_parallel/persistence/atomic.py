@@ -4,10 +4,16 @@ A file is written under a temporary name in its own folder, flushed to disk,
 then renamed over its final name: a rename within one file system is atomic,
 so a process killed while writing leaves the previous file (or none), never
 half of one.
+
+The temporary file is made by `tempfile.mkstemp` (a name nobody can guess,
+created by this process, readable by its user only): in a folder others
+can write to (a shared `/tmp`), a name known in advance could be a
+symbolic link placed there to send the write elsewhere.
 """
 
 import contextlib
 import os
+import tempfile
 
 from keras_parallel.trainer_class import TrainerMixin, swap_class
 
@@ -32,15 +38,21 @@ def replacing(path):
         yield path
         return
     folder, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{name}.{os.getpid()}.partial.{name}")
+    # The name ends as `path` does: Keras checks the suffix.
+    handle, temporary = tempfile.mkstemp(
+        prefix=f".{name}.", suffix=f".partial.{name}", dir=folder
+    )
+    os.close(handle)
     try:
         yield temporary
-        if os.path.isfile(temporary):  # Nothing written: nothing replaced.
+        # Still empty: nothing was written (a process whose part of a
+        # collective save writes no file), so nothing is replaced.
+        if os.path.isfile(temporary) and os.path.getsize(temporary):
             with open(temporary, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(temporary, path)
     finally:
-        if os.path.exists(temporary):
+        if os.path.lexists(temporary):
             os.remove(temporary)
 
 
@@ -94,6 +106,9 @@ def call_replacing(save, args, kwargs, executor=None, model=None):
             return save(*args, **kwargs)
         with replacing(path) as temporary:
             new_args, new_kwargs = rebuild(temporary)
+            if "overwrite" in new_kwargs:
+                # The temporary file exists (empty): Keras must not ask.
+                new_kwargs["overwrite"] = True
             return save(*new_args, **new_kwargs)
 
 

@@ -10,6 +10,7 @@ trained, which the resumed run passes over (docs/checkpoints.md).
 import base64
 import json
 import os
+import re
 import weakref
 
 import numpy as np
@@ -23,6 +24,9 @@ from keras_parallel.replacements import Replacements
 METADATA_KEY = "keras_parallel"
 _WEIGHTS_PREFIX = "weights-"
 _WEIGHTS_SUFFIX = ".weights.h5"
+#: The only weights file names a backup writes, and so the only ones its
+#: metadata may name (not `..`, not an absolute path).
+_WEIGHTS_NAME = re.compile(r"weights-[0-9]+\.weights\.h5")
 
 
 class BackupError(ValueError):
@@ -136,7 +140,9 @@ def _resumed_enumerate(keras_enumerate):
 
 def _save(callback, executor):
     directory = callback.backup_dir
-    os.makedirs(directory, exist_ok=True)
+    # Readable by its user only; one made by another user is refused.
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _check_owner(directory)
     previous = _read_metadata(callback._training_metadata_path)
     number = previous.get(METADATA_KEY, {}).get("generation", 0) + 1 if previous else 1
     weights_name = f"{_WEIGHTS_PREFIX}{number}{_WEIGHTS_SUFFIX}"
@@ -201,6 +207,8 @@ def _load(callback, executor):
         )
     callback._kp_training_iterator = None
     _awaiting_iterator[0] = weakref.ref(callback)
+    if os.path.isdir(callback.backup_dir):
+        _check_owner(callback.backup_dir)
     path = callback._training_metadata_path
     metadata = _read_metadata(path)
     if metadata is None:
@@ -212,6 +220,36 @@ def _load(callback, executor):
         if not callback.double_checkpoint or fallback is None:
             raise
         _restore(callback, fallback, executor)
+
+
+def _check_owner(directory):
+    """Refuses a backup folder another user owns: on a shared disk (a shared
+    `/tmp`) they could have placed the weights this run would load, or read
+    what it writes."""
+    if not hasattr(os, "getuid"):
+        return  # Windows: folders have no POSIX owner.
+    owner = os.stat(directory).st_uid
+    if owner != os.getuid():
+        raise BackupError(
+            f"the backup folder {directory!r} belongs to another user. "
+            f"Received: a folder of uid {owner}, and this process runs as uid "
+            f"{os.getuid()}; give `BackupAndRestore` a folder of your own (one "
+            "that does not exist yet is made readable by you only)."
+        )
+
+
+def _weights_name(ours, directory):
+    """The weights file a backup's metadata names, accepted only as one of
+    the names a backup writes."""
+    name = ours.get("weights")
+    if not isinstance(name, str) or not _WEIGHTS_NAME.fullmatch(name):
+        raise BackupError(
+            f"the backup metadata in {directory!r} names the weights file "
+            f"{name!r:.80}, which is not a name a backup writes. Received: "
+            "metadata written by something else, or altered; delete the "
+            "backup folder to start afresh."
+        )
+    return name
 
 
 def _check_batches_per_epoch(callback, ours):
@@ -235,7 +273,11 @@ def _restore(callback, metadata, executor):
     ours = metadata.get(METADATA_KEY)
     if ours:
         _check_batches_per_epoch(callback, ours)  # Before anything is loaded.
-    name = ours["weights"] if ours else os.path.basename(callback._weights_path)
+    name = (
+        _weights_name(ours, callback.backup_dir)
+        if ours
+        else os.path.basename(callback._weights_path)
+    )
     weights = os.path.join(callback.backup_dir, name)
     if os.path.exists(weights):
         if model.optimizer is not None and not model.optimizer.built:

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_parallel import wire
 from keras_parallel.backends.jax import keras_compat
 from keras_parallel.replacements import replaced
 
@@ -46,7 +47,8 @@ def broadcast_bytes(payload, src=0):
     length = multihost_utils.broadcast_one_to_all(
         np.asarray(len(payload), np.int32), is_source=is_source
     )
-    buffer = np.zeros(int(length), np.uint8)
+    length = wire.checked_length(length, f"a value broadcast by process {src}")
+    buffer = np.zeros(length, np.uint8)
     if is_source:
         buffer[:] = np.frombuffer(payload, np.uint8)
     buffer = multihost_utils.broadcast_one_to_all(buffer, is_source=is_source)
@@ -61,7 +63,11 @@ def allgather_bytes(payload):
     lengths = np.asarray(
         multihost_utils.process_allgather(np.asarray([len(payload)], np.int64))
     ).ravel()
-    buffer = np.zeros(int(lengths.max()), np.uint8)
+    lengths = [
+        wire.checked_length(n, f"a value gathered from process {i}")
+        for i, n in enumerate(lengths)
+    ]
+    buffer = np.zeros(max(lengths), np.uint8)
     buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
     gathered = np.asarray(multihost_utils.process_allgather(buffer), np.uint8)
     gathered = gathered.reshape(len(lengths), -1)

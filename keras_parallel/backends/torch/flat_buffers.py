@@ -7,6 +7,7 @@ the process group's device: NCCL takes CUDA tensors only.
 import torch
 import torch.distributed as dist
 
+from keras_parallel import wire
 from keras_parallel.backends.torch import group as torch_group
 
 
@@ -58,7 +59,10 @@ def scatter_bytes(pieces, src=0):
         lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
     lengths = on_group_device(lengths)
     dist.broadcast(lengths, src=src)
-    lengths = lengths.cpu().tolist()
+    lengths = [
+        wire.checked_length(n, f"a piece broadcast by rank {src}")
+        for n in lengths.cpu().tolist()
+    ]
     longest = max(max(lengths), 1)
     rows = None
     if rank == src:
