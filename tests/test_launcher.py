@@ -382,3 +382,30 @@ def test_cli_on_one_node_listens_on_loopback_only(tmp_path):
     # pid); torchrun's own would be two.
     launcher = min(pid for pid, _, _ in sockets)
     assert len([s for s in sockets if s[0] == launcher]) == 1, sockets
+
+
+@pytest.mark.parametrize(
+    "options, on_loopback",
+    [
+        (["--nnodes", "1", "--master-port", "29511"], True),
+        (["--nnodes=1", "--master-addr", "127.0.0.1", "--master-port", "29511"], True),
+        (["--nnodes", "1", "--master-addr", "localhost"], True),
+        (["--nnodes", "2", "--master-addr", "127.0.0.1", "--node-rank", "0"], False),
+        (["--nnodes", "1", "--master-addr", "10.1.2.3"], False),
+    ],
+)
+def test_one_node_on_a_given_port_keeps_gloo_on_loopback(
+    monkeypatch, options, on_loopback
+):
+    # `--nnodes 1 --master-port P` takes the static rendezvous, not the
+    # loopback one: gloo's pairs must still stay on loopback (on a host
+    # whose name resolves elsewhere they would listen there). Several
+    # nodes, or an address the user named, leave gloo's interface alone.
+    from keras_parallel.launcher import command
+
+    # Set, then removed: the test's end restores it as it was.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    command._bound_rendezvous([*options, "train.py"], "train.py")
+    expected = "lo" if on_loopback else None
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == expected

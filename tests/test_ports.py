@@ -55,3 +55,12 @@ def test_an_unreadable_ranges_file_is_the_iana_range(monkeypatch, tmp_path, cont
     range_file.write_text(content)
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", str(range_file))
     assert ports._ephemeral_low() == 49152
+
+
+def test_jax_gloo_beyond_loopback_is_said_once(capsys):
+    assert ports.warn_if_gloo_reachable("launch", resolve=lambda: "10.0.0.5")
+    err = capsys.readouterr().err
+    assert "listen on 10.0.0.5" in err and "no interface" in err
+    assert not ports.warn_if_gloo_reachable("launch", resolve=lambda: "127.0.1.1")
+    assert not ports.warn_if_gloo_reachable("launch", resolve=lambda: None)
+    assert capsys.readouterr().err == ""

@@ -145,7 +145,27 @@ def _bound_rendezvous(torchrun_args, script):
     if any(o.split("=", 1)[0] in named for o in options):
         return torchrun_args  # The user's own rendezvous.
     bound_rendezvous.register()
+    if _on_loopback_alone(options):
+        # One node at a loopback address (`--nnodes 1 --master-port P`):
+        # gloo's pairs there too, not where the host name resolves.
+        os.environ.update(ports.gloo_on_loopback())
     return bound_rendezvous.static_options(options) + torchrun_args[at:]
+
+
+def _on_loopback_alone(options):
+    """Whether torchrun's `options` start one node at a loopback address."""
+    import ipaddress
+
+    nodes = _option_value(options, ("--nnodes",), "1")
+    address = _option_value(options, ("--master-addr", "--master_addr"), "127.0.0.1")
+    if nodes not in ("1", "1:1"):
+        return False
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False  # A host name: the user's choice of interface.
 
 
 def _every_rank_preempted(marks, torchrun_args):

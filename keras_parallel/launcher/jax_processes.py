@@ -55,6 +55,7 @@ def main(argv):
     args = local_processes.parse(local_processes.parser("jax"), argv)
     if args.nnodes == 1:
         ports.check_local_address(args.master_addr)
+        ports.warn_if_gloo_reachable("keras-parallel launch")
     if args.master_port is None:
         if args.nnodes > 1:
             raise ValueError(

@@ -88,6 +88,48 @@ def gloo_on_loopback():
     return {}
 
 
+def host_name_address():
+    """The address this machine's host name resolves to (where an engine
+    that is given no interface listens), or None if it does not resolve."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+
+
+def warn_if_gloo_reachable(who, resolve=host_name_address):
+    """Says once, on stderr, that JAX's gloo collectives will listen beyond
+    loopback: JAX gives gloo no interface, and gloo listens where the host
+    name resolves.
+
+    Args:
+        who: the launcher, for the message.
+        resolve: the host name's address (a test's stand-in).
+
+    Returns:
+        Whether it warned.
+    """
+    import ipaddress
+    import sys
+
+    address = resolve()
+    try:
+        if address is None or ipaddress.ip_address(address).is_loopback:
+            return False
+    except ValueError:
+        return False
+    print(
+        f"{who}: warning: JAX's gloo collectives (CPU processes) listen on "
+        f"{address}, where this machine's host name resolves, not on loopback: "
+        "JAX gives gloo no interface to bind. Anyone who can reach that address "
+        "can connect to them; on a shared network, map the host name to "
+        "127.0.0.1 (/etc/hosts) or firewall the ports.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
+
+
 def check_local_address(address):
     """Refuses (`ValueError`) an address no interface of this machine has.
 
