@@ -27,9 +27,17 @@ Usage:
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
+#: This checkout's keras_parallel, here and in every process launched (an
+#: env's installed copy may be older).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 
 
 def _worker(steps, watch, launched_at):
