@@ -354,8 +354,9 @@ class _OpensFile:
 def crafted_batch_reaches_process_1(marker):
     """A generator's `fit` on 2 JAX processes, where the payload under the
     key process 1 takes the first batch from is a crafted pickle (as any
-    host that reaches the coordination service could write there): on
-    process 0 the store's writes of that key are replaced by it."""
+    host that reaches the coordination service could write there, without
+    the run's secret): on process 0 the store's writes of that key are
+    replaced by it."""
     import pickle
 
     import jax

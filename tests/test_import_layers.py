@@ -19,6 +19,8 @@ LAYERS = (
     (
         "errors",
         "wire",
+        "run_secret",
+        "signed_store",
         "keras_compat",
         "replacement_targets",
         "replacements",

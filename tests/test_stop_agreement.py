@@ -145,3 +145,20 @@ def test_on_the_runs_heartbeat_it_looks_every_other_tick():
     agreement.close()
     assert len(ticks) > 10
     assert abs(len(reads) - len(ticks) / 2) <= 1, (len(reads), len(ticks))
+
+
+def test_a_forged_notice_is_refused_and_raised_in_the_training_thread():
+    # Someone who reached the store writes a stop notice under the real key
+    # without the run's secret: no process stops at an agreed step; each
+    # fails at its next batch end, naming the key.
+    from keras_parallel.signed_store import SignedStore, UntrustedValueError
+
+    raw = LocalStore()
+    raw.set("keras_parallel/stop/fit-1/notice", "0:SIGTERM")
+    agreement = StopAgreement(
+        SignedStore(raw, b"secret", sender=1), 1, 2, "fit-1", timeout=5.0
+    )
+    assert agreement._poll() is False  # Refused: nothing more to look for.
+    with pytest.raises(UntrustedValueError, match="stop/fit-1/notice"):
+        agreement.should_stop(0)
+    assert agreement.stop_step is None and agreement.noticed is None

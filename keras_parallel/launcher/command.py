@@ -11,7 +11,7 @@ import signal
 import sys
 import tempfile
 
-from keras_parallel import keras_config, stall_settings
+from keras_parallel import keras_config, run_secret, stall_settings
 from keras_parallel.launcher import bootstrap, parent_death, supervisor
 from keras_parallel.launcher.checks import check_positive, check_script
 
@@ -100,6 +100,10 @@ def main(argv=None):
         torchrun_args = _signals_left_to_launcher(torchrun_args, script)
         torchrun_args = _through_bootstrap(torchrun_args, script)
         torchrun_args = _bound_rendezvous(torchrun_args, script)
+        if _option_value(torchrun_args, ("--nnodes",), "1") in ("1", "1:1"):
+            # One node: a run secret of its own, inherited by every rank
+            # (several nodes' launchers cannot agree on one: `run_secret`).
+            os.environ.update(run_secret.for_children())
         os.environ["KERAS_BACKEND"] = "torch"
         from torch.distributed import run
         from torch.distributed.elastic.multiprocessing import SignalException

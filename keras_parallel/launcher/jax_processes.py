@@ -53,6 +53,7 @@ def commands(args, base_env=None):
 def main(argv):
     """Parses, checks, starts and supervises; returns the exit status."""
     args = local_processes.parse(local_processes.parser("jax"), argv)
+    local_processes.give_one_node_a_secret(args)
     if args.nnodes == 1:
         ports.check_local_address(args.master_addr)
         ports.warn_if_gloo_reachable("keras-parallel launch")

@@ -71,6 +71,16 @@ def cpu_threads(nproc):
     return str(max(1, (os.cpu_count() or 1) // nproc))
 
 
+def give_one_node_a_secret(args):
+    """Puts a new run secret in this launcher's environment, which every
+    process it starts inherits, for a launch of one node (several nodes'
+    launchers cannot agree on one: the user gives it, `run_secret`)."""
+    from keras_parallel import run_secret
+
+    if args.nnodes == 1:
+        os.environ.update(run_secret.for_children())
+
+
 def run(commands, args, label="process"):
     """Starts and supervises the processes; returns the launcher's exit status.
 

@@ -109,6 +109,7 @@ def commands(args, workers, base_env=None):
 def main(argv):
     """Parses, checks, starts and supervises; returns the exit status."""
     args = local_processes.parse(_parser(), argv)
+    local_processes.give_one_node_a_secret(args)
     addresses = node_addresses(args)
     here = addresses[args.node_rank]
     free = None

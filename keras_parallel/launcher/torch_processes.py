@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 
+from keras_parallel import run_secret
 from keras_parallel.launcher.ports import gloo_on_loopback, loopback_listener
 
 #: Seconds the other ranks get to stop by themselves after one failed.
@@ -130,6 +131,8 @@ def launch(
         "LOCAL_WORLD_SIZE": str(num_processes),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         **gloo_on_loopback(),
+        # The run's secret (`signed_store`): made here unless given.
+        **run_secret.for_children(),
     }
     if collective_timeout is not None:
         env["KERAS_PARALLEL_TIMEOUT"] = str(collective_timeout)

@@ -13,6 +13,7 @@ import time
 # The one-process store is the executor's (`Executor.key_value_store`).
 from keras_parallel.backends.base import LocalStore  # noqa: F401
 from keras_parallel.heartbeat import TICK_S, Heartbeat
+from keras_parallel.signed_store import UntrustedValueError
 
 #: Seconds between two looks for a notice: the run's heartbeat, every other
 #: tick of it where the stall watch shares it, one request a second per
@@ -59,6 +60,9 @@ class StopAgreement:
         self.noticed = None
         #: Why no stop step could be agreed, if so.
         self.failure = None
+        #: A notice the store refused (`signed_store.UntrustedValueError`):
+        #: raised at the next `should_stop`.
+        self.refused = None
         # Held while a step is answered and while steps 2 and 3 run: the main
         # thread answers no other step until the stop step is set.
         self._lock = threading.Lock()
@@ -107,6 +111,10 @@ class StopAgreement:
             True at the agreed stop step (the same on every process).
         """
         with self._lock:
+            if self.refused is not None:
+                # A notice without the run's tag: refused where it was read,
+                # raised here, in the training thread.
+                raise self.refused
             if signalled and not self._agreed:
                 self.store_notice(signalled)
                 self._agree()
@@ -130,7 +138,12 @@ class StopAgreement:
         if not self._own_heartbeat and self._polls % 2 == 0:
             return True
         # The store gone (the run ending) raises: the heartbeat drops it.
-        if self._read(self._key("notice")) is None:
+        try:
+            notice = self._read(self._key("notice"))
+        except UntrustedValueError as error:
+            self.refused = error  # A forged stop: nothing of it is used.
+            return False
+        if notice is None:
             return True
         with self._lock:
             if not self._agreed:

@@ -11,7 +11,7 @@ import itertools
 import jax
 import numpy as np
 
-from keras_parallel import wire
+from keras_parallel import signed_store, wire
 from keras_parallel.backends.jax import processes
 from keras_parallel.backends.jax.keras_compat import data_adapter_utils, tree
 from keras_parallel.input import kinds, rank_loader, tf_data_rows, transport
@@ -141,7 +141,9 @@ class DividedInput:
         # Every process places its rows of the whole batch: each gets it all.
         key = functools.partial(transport.batch_key, next(_runs))
         handout = transport.Handout(
-            self.process, self.processes, store=processes.CoordinationStore()
+            self.process,
+            self.processes,
+            store=signed_store.for_run(processes.CoordinationStore(), self.process),
         )
         if self.process == 0:
             drawn = 0

@@ -16,7 +16,7 @@ import jax
 import keras
 from keras.distribution import TensorLayout
 
-from keras_parallel import stall_watch
+from keras_parallel import signed_store, stall_watch
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.jax import batches, processes
 from keras_parallel.backends.jax.checkpoint_io import (
@@ -306,7 +306,7 @@ class JaxExecutor(Executor):
     def key_value_store(self):
         if not processes.is_multi_process():
             return super().key_value_store()
-        return processes.CoordinationStore()
+        return signed_store.for_run(processes.CoordinationStore(), self.process_index)
 
 
 def _laid_out_across_processes(value, sharding):

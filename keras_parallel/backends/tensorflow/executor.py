@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 from keras.distribution import DataParallel
 
+from keras_parallel import signed_store
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
@@ -223,7 +224,9 @@ class TensorFlowExecutor(Executor):
             return
         self.share_host_random_state()
         if self.divided_input is None:
-            store = tf_workers.CoordinationStore()
+            store = signed_store.for_run(
+                tf_workers.CoordinationStore(), self.process_index
+            )
             self.divided_input = DividedInput(workers, store)
         chief_parts = [ChiefWritesInFit(self.chief_writes(), model=model)]
         if not self.is_chief:
@@ -282,7 +285,7 @@ class TensorFlowExecutor(Executor):
     def key_value_store(self):
         if _workers() is None:
             return super().key_value_store()
-        return tf_workers.CoordinationStore()
+        return signed_store.for_run(tf_workers.CoordinationStore(), self.process_index)
 
     # ----------------------------------------------------------- helpers
     def _mesh_devices(self):

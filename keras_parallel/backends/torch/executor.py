@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from keras.distribution import DataParallel
 
+from keras_parallel import signed_store
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
@@ -382,7 +383,7 @@ class TorchExecutor(Executor):
     def key_value_store(self):
         if not torch_group.is_distributed():
             return super().key_value_store()
-        return torch_group.KeyValueStore()
+        return signed_store.for_run(torch_group.KeyValueStore(), self.process_index)
 
     def barrier(self):
         if torch_group.is_distributed():

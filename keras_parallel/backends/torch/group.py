@@ -15,7 +15,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from keras_parallel import cluster_environments
+from keras_parallel import cluster_environments, run_secret, signed_store
 from keras_parallel.cluster_environments import join_deadline
 from keras_parallel.cluster_environments.base import host_port
 
@@ -269,11 +269,18 @@ def publish_failure(rank, error):
     if store is None:
         return
     try:
+        text = f"{type(error).__name__}: {error}"[:2000]
         store.compare_set(
-            FAILURE_KEY, "", f"{rank}: {type(error).__name__}: {error}"[:2000]
+            FAILURE_KEY,
+            "",
+            signed_store.signed_text(_secret(), FAILURE_KEY, rank, text),
         )
     except Exception:
         pass
+
+
+def _secret():
+    return run_secret.run_secret() or b""
 
 
 def peer_failure(wait_s=5.0):
@@ -288,14 +295,13 @@ def peer_failure(wait_s=5.0):
         return None
     try:
         store.wait([FAILURE_KEY], datetime.timedelta(seconds=wait_s))
-        text = store.get(FAILURE_KEY).decode()
+        stored = store.get(FAILURE_KEY)
     except Exception:
         return None
-    rank, _, message = text.partition(": ")
     try:
-        return int(rank), message
-    except ValueError:
-        return None, text
+        return signed_store.checked_text(_secret(), FAILURE_KEY, stored)
+    except signed_store.UntrustedValueError:
+        return None  # Not the run's: no rank named, nothing of it shown.
 
 
 def peer_failed_error(error, own_rank, where):
