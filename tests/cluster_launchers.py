@@ -183,6 +183,29 @@ def start_two(
     Raises:
         subprocess.TimeoutExpired: past `timeout`, every process killed.
     """
+    argv, env = command_of_two(
+        out, launcher, backend, ports, joined, script, args, ranks, port, **variables
+    )
+    try:
+        return run_in_session(argv, env, timeout)
+    finally:
+        assert not gone(str(out)), "a process outlived the test"
+
+
+def command_of_two(
+    out,
+    launcher,
+    backend,
+    ports,
+    joined=True,
+    script="cluster_environment_script.py",
+    args=(),
+    ranks=(0, 1),
+    port=None,
+    **variables,
+):
+    """`(argv, env)` of the shell `start_two` runs (its arguments): the
+    processes, each with its launcher's variables, as its children."""
     port = free_port_run(ports) if port is None else port
     shared, per_rank = LAUNCHERS[launcher](port)
     env = bare_env(KERAS_BACKEND=backend, **variables)
@@ -208,10 +231,7 @@ def start_two(
         f'echo "exit codes: {" ".join(codes)}" >&2; '
         f"exit $(( {' | '.join(c[1:] for c in codes)} ))"
     )
-    try:
-        return run_in_session(["bash", "-c", command], env, timeout)
-    finally:
-        assert not gone(str(out)), "a process outlived the test"
+    return ["bash", "-c", command], env
 
 
 def exit_codes(result):

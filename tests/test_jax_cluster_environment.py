@@ -343,3 +343,21 @@ def test_a_rank_that_raises_ends_both_processes_at_once(tmp_path):
     assert done.returncode != 0
     assert "keras_parallel: rank 1 of 2 raised the error below" in done.stderr
     assert "RuntimeError: rank 1 raises after the join" in done.stderr
+
+
+@multi_process
+def test_mpirun_processes_on_one_host_listen_on_loopback_only(tmp_path):
+    # JAX's coordination service binds every interface (`[::]`) unless told:
+    # the join binds the address the first process is reached at.
+    from listening_sockets import assert_loopback_only, sockets_while_in_fit
+
+    argv, env = cluster_launchers.command_of_two(
+        tmp_path,
+        "mpirun",
+        "jax",
+        1,
+        script="listening_script.py",
+        KP_WAIT_S="3",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
+    assert_loopback_only(*sockets_while_in_fit(argv, env, tmp_path, 2, 240))

@@ -60,3 +60,21 @@ def test_without_reading_the_environment_each_process_trains_alone(
         assert_divided([tuple(r) for r in infos[0]["records"]], 64, 2)
     with pytest.raises(AssertionError):
         check_one_group(tmp_path, one_process)
+
+
+def test_srun_processes_on_one_host_listen_on_loopback_only(tmp_path):
+    # torch's `env://` store of rank 0 binds every interface whatever
+    # MASTER_ADDR says: the join binds the address srun's first node has
+    # (127.0.0.1 on one host). gloo's pairs listen where the host name
+    # resolves (127.0.0.1 on the machines these tests run on).
+    from listening_sockets import assert_loopback_only, sockets_while_in_fit
+
+    argv, env = cluster_launchers.command_of_two(
+        tmp_path,
+        "srun",
+        "torch",
+        1,
+        script="listening_script.py",
+        KP_WAIT_S="3",
+    )
+    assert_loopback_only(*sockets_while_in_fit(argv, env, tmp_path, 2, 240))

@@ -61,6 +61,10 @@ def initialize_from_environment():
     address = arguments["coordinator_address"]
     if arguments["process_id"] == 0:
         join_deadline.check_port_free(env, address)
+        # JAX's coordination service binds every interface (`[::]`) unless
+        # told: the address the cluster gives the first process is the one
+        # the others reach it at (a launcher's own choice is kept).
+        os.environ.setdefault("JAX_COORDINATOR_BIND_ADDRESS", address)
     if CPU_COLLECTIVES_ENV not in os.environ:
         # JAX is imported already: set its config, not the environment.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

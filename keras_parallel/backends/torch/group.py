@@ -115,6 +115,8 @@ def ensure_process_group():
     backend = "nccl" if use_cuda else "gloo"
     with _bounded_join(env):
         store = _store_of_this_attempt(timeout)
+        if store is None and env is not None and env.world_size() > 1:
+            store = _store_bound_to_main_address(timeout)
         if store is None:
             dist.init_process_group(
                 backend=backend, init_method="env://", timeout=timeout
@@ -194,6 +196,43 @@ def _store_of_this_attempt(timeout):
         timeout=timeout,
     )
     return dist.PrefixStore(f"/keras_parallel/attempt_{attempt}", store)
+
+
+def _store_bound_to_main_address(timeout):
+    """The run's `TCPStore`, rank 0's listening on `MASTER_ADDR` alone.
+
+    torch's `env://` store of rank 0 binds every interface (`[::]`),
+    whatever `MASTER_ADDR` says: under srun or mpirun on one host that is
+    the network too. Here rank 0 binds the one address the other ranks
+    reach it at, and hands the socket to the store (`master_listen_fd`), as
+    `keras_parallel.launch` does.
+    """
+    import socket
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world_size, rank = env_world_size(), int(os.environ["RANK"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family, kind, protocol, _, where = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    )[0]
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(where)
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def device_type():
