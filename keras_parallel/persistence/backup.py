@@ -10,27 +10,22 @@ trained, which the resumed run passes over (docs/checkpoints.md).
 import base64
 import json
 import os
-import re
 import weakref
 
 import numpy as np
 from keras import callbacks
 
 from keras_parallel.keras_compat import EpochIterator
-from keras_parallel.persistence import atomic
+from keras_parallel.persistence import atomic, backup_checks
 from keras_parallel.replacements import Replacements
 
 #: The key of keras_parallel's part of `training_metadata.json`.
 METADATA_KEY = "keras_parallel"
 _WEIGHTS_PREFIX = "weights-"
 _WEIGHTS_SUFFIX = ".weights.h5"
-#: The only weights file names a backup writes, and so the only ones its
-#: metadata may name (not `..`, not an absolute path).
-_WEIGHTS_NAME = re.compile(r"weights-[0-9]+\.weights\.h5")
 
 
-class BackupError(ValueError):
-    """A backup that cannot be restored into this model."""
+BackupError = backup_checks.BackupError
 
 
 class ExactBackups:
@@ -142,7 +137,7 @@ def _save(callback, executor):
     directory = callback.backup_dir
     # Readable by its user only; one made by another user is refused.
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    _check_owner(directory)
+    backup_checks.check_owner(directory)
     previous = _read_metadata(callback._training_metadata_path)
     number = previous.get(METADATA_KEY, {}).get("generation", 0) + 1 if previous else 1
     weights_name = f"{_WEIGHTS_PREFIX}{number}{_WEIGHTS_SUFFIX}"
@@ -208,7 +203,7 @@ def _load(callback, executor):
     callback._kp_training_iterator = None
     _awaiting_iterator[0] = weakref.ref(callback)
     if os.path.isdir(callback.backup_dir):
-        _check_owner(callback.backup_dir)
+        backup_checks.check_owner(callback.backup_dir)
     path = callback._training_metadata_path
     metadata = _read_metadata(path)
     if metadata is None:
@@ -222,59 +217,15 @@ def _load(callback, executor):
         _restore(callback, fallback, executor)
 
 
-def _check_owner(directory):
-    """Refuses a backup folder another user owns: on a shared disk (a shared
-    `/tmp`) they could have placed the weights this run would load, or read
-    what it writes."""
-    if not hasattr(os, "getuid"):
-        return  # Windows: folders have no POSIX owner.
-    owner = os.stat(directory).st_uid
-    if owner != os.getuid():
-        raise BackupError(
-            f"the backup folder {directory!r} belongs to another user. "
-            f"Received: a folder of uid {owner}, and this process runs as uid "
-            f"{os.getuid()}; give `BackupAndRestore` a folder of your own (one "
-            "that does not exist yet is made readable by you only)."
-        )
-
-
-def _weights_name(ours, directory):
-    """The weights file a backup's metadata names, accepted only as one of
-    the names a backup writes."""
-    name = ours.get("weights")
-    if not isinstance(name, str) or not _WEIGHTS_NAME.fullmatch(name):
-        raise BackupError(
-            f"the backup metadata in {directory!r} names the weights file "
-            f"{name!r:.80}, which is not a name a backup writes. Received: "
-            "metadata written by something else, or altered; delete the "
-            "backup folder to start afresh."
-        )
-    return name
-
-
-def _check_batches_per_epoch(callback, ours):
-    """Refuses a backup made with another number of batches an epoch: its
-    position (batches trained, the epoch's shuffle) names other rows."""
-    made = ours.get("batches_per_epoch")
-    now = (callback.params or {}).get("steps")
-    if made is None or now is None or made == now:
-        return  # A backup of before, or data without a length.
-    raise BackupError(
-        f"the backup in {callback.backup_dir!r} was made with {made} batches "
-        f"an epoch, and this run has {now}. Received: another global batch "
-        "size or other data than the run that wrote the backup; resume with "
-        "the same data and `batch_size` (on any number of devices), or delete "
-        "the backup folder to start afresh."
-    )
-
-
 def _restore(callback, metadata, executor):
     model = callback.model
     ours = metadata.get(METADATA_KEY)
     if ours:
-        _check_batches_per_epoch(callback, ours)  # Before anything is loaded.
+        backup_checks.check_batches_per_epoch(
+            callback, ours
+        )  # Before anything is loaded.
     name = (
-        _weights_name(ours, callback.backup_dir)
+        backup_checks.weights_name(ours, callback.backup_dir)
         if ours
         else os.path.basename(callback._weights_path)
     )
