@@ -146,36 +146,12 @@ def bare_env(**variables):
     return env
 
 
-def start_two(
-    out,
-    launcher,
-    backend,
-    ports,
-    joined=True,
-    script="cluster_environment_script.py",
-    args=(),
-    timeout=TIMEOUT_S,
-    ranks=(0, 1),
-    port=None,
-    **variables,
-):
+def start_two(out, launcher, backend, ports, timeout=TIMEOUT_S, **arguments):
     """Runs the script in two processes as `launcher` would; waits for both.
 
     Args:
-        out: the directory the processes write to; the script's first
-            argument (also how `gone` finds the processes).
-        launcher: a key of `LAUNCHERS`.
-        backend: `KERAS_BACKEND`.
-        ports: how many consecutive ports must be free from the main port.
-        joined: False runs each process through `without_cluster_join.py`
-            (keras_parallel's joining removed): the red case.
-        script: the script, in `tests/`.
-        args: its arguments after `out`.
+        out, launcher, backend, ports, arguments: as `command_of_two`'s.
         timeout: seconds until every process is killed.
-        ranks: the rank of each process to start, of a world of 2: a
-            mistake leaves one out (`(0,)`) or gives one twice (`(0, 0)`).
-        port: the main port; by default a free one (`ports` of them).
-        variables: more variables for both processes.
 
     Returns:
         The `subprocess.CompletedProcess` of the shell.
@@ -183,9 +159,7 @@ def start_two(
     Raises:
         subprocess.TimeoutExpired: past `timeout`, every process killed.
     """
-    argv, env = command_of_two(
-        out, launcher, backend, ports, joined, script, args, ranks, port, **variables
-    )
+    argv, env = command_of_two(out, launcher, backend, ports, **arguments)
     try:
         return run_in_session(argv, env, timeout)
     finally:
@@ -204,8 +178,24 @@ def command_of_two(
     port=None,
     **variables,
 ):
-    """`(argv, env)` of the shell `start_two` runs (its arguments): the
-    processes, each with its launcher's variables, as its children."""
+    """`(argv, env)` of a shell that starts the script in two processes as
+    `launcher` would, each with its launcher's variables, as its children.
+
+    Args:
+        out: the directory the processes write to; the script's first
+            argument (also how `gone` finds the processes).
+        launcher: a key of `LAUNCHERS`.
+        backend: `KERAS_BACKEND`.
+        ports: how many consecutive ports must be free from the main port.
+        joined: False runs each process through `without_cluster_join.py`
+            (keras_parallel's joining removed): the red case.
+        script: the script, in `tests/`.
+        args: its arguments after `out`.
+        ranks: the rank of each process to start, of a world of 2: a
+            mistake leaves one out (`(0,)`) or gives one twice (`(0, 0)`).
+        port: the main port; by default a free one (`ports` of them).
+        variables: more variables for both processes.
+    """
     port = free_port_run(ports) if port is None else port
     shared, per_rank = LAUNCHERS[launcher](port)
     env = bare_env(KERAS_BACKEND=backend, **variables)
