@@ -11,7 +11,7 @@ import subprocess
 import time
 
 
-def checkout_env(scikit_learn=False, **variables):
+def checkout_env(scikit_learn=False, tensorflow=None, **variables):
     """`os.environ` plus `variables`, importing this checkout's keras_parallel.
 
     The keras_parallel the tests imported comes first on `PYTHONPATH`, also
@@ -24,6 +24,12 @@ def checkout_env(scikit_learn=False, **variables):
             without it a `sklearn` that refuses to import comes first on the
             path (tests/without_scikit_learn), and Keras does without, as
             where scikit-learn is not installed.
+        tensorflow: whether the processes may import TensorFlow. By default
+            only where their backend (`KERAS_BACKEND` of `variables`, else
+            of this process) is TensorFlow: `keras.utils.set_random_seed`
+            imports it whenever installed, more than half of a JAX
+            process's start (tests/without_tensorflow). `True` for a JAX or
+            torch process that feeds a `tf.data` pipeline.
         **variables: environment variables to set.
     """
     import keras_parallel
@@ -31,6 +37,11 @@ def checkout_env(scikit_learn=False, **variables):
     root = os.path.dirname(os.path.dirname(keras_parallel.__file__))
     here = os.path.dirname(os.path.abspath(__file__))
     folders = [root, here]
+    if tensorflow is None:
+        backend = variables.get("KERAS_BACKEND", os.environ.get("KERAS_BACKEND"))
+        tensorflow = backend == "tensorflow"
+    if not tensorflow:
+        folders.insert(0, os.path.join(here, "without_tensorflow"))
     if not scikit_learn:
         folders.insert(0, os.path.join(here, "without_scikit_learn"))
     path = os.pathsep.join([*folders, os.environ.get("PYTHONPATH", "")])

@@ -13,6 +13,7 @@ import time
 
 import keras
 import pytest
+from subprocesses import checkout_env
 
 import keras_parallel
 
@@ -28,10 +29,16 @@ def _command():
 
 def _run(*args, timeout=120, cwd=None, **variables):
     """Runs the command; `variables` set (or, given `None`, unset) variables."""
-    # The keras_parallel these tests imported, also when run from a checkout.
-    here = os.path.dirname(os.path.dirname(keras_parallel.__file__))
-    path = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    # The keras_parallel these tests imported, also when run from a
+    # checkout; scikit-learn for the demo's digits; TensorFlow kept out of
+    # a JAX or torch process (subprocesses.checkout_env).
+    backend = variables.get("KERAS_BACKEND", BACKEND)
+    env = checkout_env(
+        scikit_learn=True,
+        tensorflow=backend not in ("jax", "torch"),
+        KERAS_BACKEND=BACKEND,
+        OMP_NUM_THREADS="1",
+    )
     env.update(variables)
     env = {name: value for name, value in env.items() if value is not None}
     return subprocess.run(

@@ -60,7 +60,10 @@ def launch(out, cases):
     command = jax_launch_command("divided_input_script.py", out, cases)
     if not isinstance(cases, str):
         command[-1] = json.dumps(cases)
-    return run_in_session(command, checkout_env(KERAS_BACKEND="jax"), TIMEOUT_S)
+    # TensorFlow in the processes where a case feeds a tf.data pipeline.
+    tensorflow = "tfdata" in str(cases)
+    env = checkout_env(tensorflow=tensorflow, KERAS_BACKEND="jax")
+    return run_in_session(command, env, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

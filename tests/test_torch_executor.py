@@ -560,20 +560,17 @@ def _run_with_torchrun_environment(code, world=2, cwd=None):
     the environment variables, nothing else (rank 0 hosts the store, as
     without torchrun's agent). Returns each rank's stdout.
     """
-    import os
     import subprocess
     import sys
 
-    import keras_parallel as package
+    from subprocesses import checkout_env
+
     from keras_parallel.launcher.ports import free_port
 
     port = free_port()
-    here = os.path.dirname(__file__)
-    root = os.path.dirname(os.path.dirname(package.__file__))
     processes = []
     for rank in range(world):
-        env = dict(
-            os.environ,
+        env = checkout_env(
             KERAS_BACKEND="torch",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -582,7 +579,6 @@ def _run_with_torchrun_environment(code, world=2, cwd=None):
             WORLD_SIZE=str(world),
             OMP_NUM_THREADS="1",
             KERAS_PARALLEL_TIMEOUT="60",
-            PYTHONPATH=os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")]),
         )
         processes.append(
             subprocess.Popen(

@@ -16,13 +16,18 @@ a rank's environment passes it through `launch`'s own options
 """
 
 import functools
+import importlib.util
 import multiprocessing
 
-#: Imported once, in the server, for every rank forked from it.
+#: Imported once, in the server, for every rank forked from it. TensorFlow
+#: too where it is installed: `keras.utils.set_random_seed`, which nearly
+#: every rank calls, imports it then (about 3 CPU-seconds a rank; its import
+#: starts no thread, so forking after it is as safe as after torch's).
 PRELOAD = [
     "numpy",
     "torch",
     "torch.distributed",
+    *(["tensorflow"] if importlib.util.find_spec("tensorflow") else []),
     "keras",
     "keras_parallel",
     "keras_parallel.backends.torch",
