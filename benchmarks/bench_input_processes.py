@@ -195,6 +195,10 @@ def _launched_processes(kind, processes, row_ms, width):
         command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
         backend = os.environ["KERAS_BACKEND"]
         command += ["--backend", backend, "--nproc-per-node", str(processes)]
+        if backend == "tensorflow" and processes > 1:
+            # Workers on one machine (their servers reachable: this machine's
+            # own benchmark).
+            command.append("--allow-reachable-workers")
         command += ["--devices-per-process", "1", os.path.abspath(__file__)]
         command += ["--worker", kind, str(row_ms), str(width), out]
         subprocess.run(command, check=True, timeout=600, stdout=subprocess.DEVNULL)

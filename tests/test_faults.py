@@ -67,6 +67,8 @@ def command(processes, *args, restarts=0):
         options += ["--max-restarts", str(restarts)]
     if BACKEND == "jax":
         options += ["--devices-per-process", "4"]
+    if BACKEND == "tensorflow":
+        options += ["--allow-reachable-workers"]
     return [
         sys.executable,
         "-m",

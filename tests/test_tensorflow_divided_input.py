@@ -52,7 +52,7 @@ VALIDATION_ROWS = 301
 def launch(out, cases):
     command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
     command += ["--backend", "tensorflow", "--nproc-per-node", "2"]
-    command += ["--devices-per-process", "2"]
+    command += ["--allow-reachable-workers", "--devices-per-process", "2"]
     command += [os.path.join(HERE, "divided_input_script.py"), str(out)]
     command.append(cases if isinstance(cases, str) else json.dumps(cases))
     return run_in_session(command, checkout_env(KERAS_BACKEND="tensorflow"), TIMEOUT_S)

@@ -45,6 +45,7 @@ def launch(out, case, *options):
         "tensorflow",
         "--nproc-per-node",
         "2",
+        "--allow-reachable-workers",
         "--devices-per-process",
         "2",
         *options,
@@ -226,11 +227,41 @@ def test_tensorflow_start_up_info_lines_are_quiet(launched):
     assert "coordination_service" not in stderr, stderr[-3000:]
 
 
-def test_a_one_node_launch_says_once_that_its_workers_listen_widely(launched):
+def test_a_launch_of_workers_says_once_that_they_are_reachable(launched):
     # TensorFlow's gRPC server cannot be bound to loopback (docs/multihost.md).
     from keras_parallel.launcher.tf_processes import LISTENS_WIDELY
 
     assert launched[2].stderr.count(LISTENS_WIDELY) == 1, launched[2].stderr[-3000:]
+
+
+def test_one_process_on_one_machine_listens_on_nothing(tmp_path):
+    # The launch's default on one machine: one process, no TF_CONFIG, so no
+    # gRPC server; DataParallel over its 2 CPU devices (MirroredStrategy).
+    from listening_sockets import sockets_while_in_fit
+
+    command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
+    command += ["--backend", "tensorflow", "--devices-per-process", "2"]
+    command += [os.path.join(HERE, "listening_script.py"), str(tmp_path)]
+    env = checkout_env(KERAS_BACKEND="tensorflow", KP_WAIT_S="1")
+    sockets, result = sockets_while_in_fit(command, env, tmp_path, 1, 240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sockets == [], f"one process listened: {sockets}"
+    from keras_parallel.launcher.tf_processes import LISTENS_WIDELY
+
+    assert LISTENS_WIDELY not in result.stderr
+
+
+def test_several_workers_on_one_machine_are_an_explicit_choice(tmp_path):
+    # Without --allow-reachable-workers, refused before anything starts.
+    command = [sys.executable, "-m", "keras_parallel.cli", "launch"]
+    command += ["--backend", "tensorflow", "--nproc-per-node", "2"]
+    command += [os.path.join(HERE, "listening_script.py"), str(tmp_path)]
+    result = run_in_session(command, checkout_env(KERAS_BACKEND="tensorflow"), 60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "anyone who can connect can run code in these processes" in result.stderr
+    assert "--allow-reachable-workers" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir())  # Nothing ran.
 
 
 def test_clipping_accumulation_and_steps_per_execution_across_workers(tmp_path):

@@ -3,6 +3,12 @@
 TensorFlow has no coordinator to hand out addresses, so every node computes the
 same `TF_CONFIG`: worker `g` (`node_rank * N + i`) is task `g`, worker 0 the
 chief, and listens on its node's address at `--master-port + g`.
+
+A worker's gRPC server binds every interface and runs what reaches it. On
+one machine, one process (`MirroredStrategy` over the machine's devices)
+trains the same and starts no server, so that is the default: one process
+of one node gets no `TF_CONFIG`, and several workers on one machine are an
+explicit choice (`--allow-reachable-workers`), warned as they start.
 """
 
 import json
@@ -12,22 +18,65 @@ import sys
 from keras_parallel.backends.tensorflow import DEVICES_ENV
 from keras_parallel.launcher import local_processes, ports
 
-#: Said once as a one-node launch starts: its servers cannot be bound.
+#: The option that starts several workers on one machine anyway.
+ALLOW_OPTION = "--allow-reachable-workers"
+
+#: Said once as a launch of workers starts: their servers cannot be bound.
 LISTENS_WIDELY = (
-    "keras-parallel launch: TensorFlow's workers listen on every interface "
-    "of this machine (its gRPC server binds 0.0.0.0, with no option to "
-    "bind one address), and what reaches them is trusted. On one machine, "
-    "one process with keras_parallel.DataParallel() (MirroredStrategy over "
-    "this machine's devices) trains the same and listens on nothing; see "
-    'docs/multihost.md, "Network and trust".'
+    "keras-parallel launch: warning: TensorFlow's workers are reachable from "
+    "the network: anyone who can connect can run code in these processes "
+    "(each worker's gRPC server binds every interface of this machine, "
+    "0.0.0.0, with no option to bind one address, and trusts what reaches "
+    "it). On one machine, one process with keras_parallel.DataParallel() "
+    "(MirroredStrategy over this machine's devices, the launch's default) "
+    "trains the same and listens on nothing; see docs/multihost.md, "
+    '"Network and trust".'
 )
 
 
 def _parser():
     parser = local_processes.parser("tensorflow")
     parser.add_argument("--node-addrs", default=None)
+    parser.add_argument(ALLOW_OPTION, action="store_true")
     parser.set_defaults(master_addr=None)
     return parser
+
+
+def check_one_machine(args):
+    """Refuses several workers on one machine unless asked for by name.
+
+    Raises:
+        ValueError: `--nproc-per-node` over 1 on one node without
+            `--allow-reachable-workers`.
+    """
+    if (
+        args.nnodes == 1
+        and args.nproc_per_node > 1
+        and not args.allow_reachable_workers
+    ):
+        raise ValueError(
+            "several TensorFlow workers on one machine are reachable from the "
+            "network: anyone who can connect can run code in these processes "
+            "(TensorFlow's gRPC servers bind every interface). Received: "
+            f"--nproc-per-node {args.nproc_per_node} on one node; run one "
+            "process instead (drop --nproc-per-node: keras_parallel."
+            "DataParallel() trains over every device of this machine through "
+            "MirroredStrategy, with no server; --devices-per-process K splits "
+            f"the CPU into K devices), or pass {ALLOW_OPTION} to start the "
+            "workers anyway."
+        )
+
+
+def one_process(args, base_env=None):
+    """The one process of a one-node launch without workers: no `TF_CONFIG`
+    (no server), the machine's devices (`--devices-per-process` CPU devices
+    where given)."""
+    env = dict(os.environ if base_env is None else base_env)
+    env["KERAS_BACKEND"] = "tensorflow"
+    env.pop("TF_CONFIG", None)
+    if args.devices_per_process:
+        env[DEVICES_ENV] = str(args.devices_per_process)
+    return [(local_processes.bootstrap_argv(args), env)]
 
 
 def node_addresses(args):
@@ -109,7 +158,10 @@ def commands(args, workers, base_env=None):
 def main(argv):
     """Parses, checks, starts and supervises; returns the exit status."""
     args = local_processes.parse(_parser(), argv)
+    check_one_machine(args)
     local_processes.give_one_node_a_secret(args)
+    if args.nnodes == 1 and args.nproc_per_node == 1:
+        return local_processes.run(one_process(args), args, label="worker")
     addresses = node_addresses(args)
     here = addresses[args.node_rank]
     free = None
@@ -120,8 +172,7 @@ def main(argv):
     for g in range(first, first + args.nproc_per_node):
         port = int(workers[g].rsplit(":", 1)[1])
         ports.check_port_free(here, port, role=f"worker {g}")
-    if args.nnodes == 1:
-        print(LISTENS_WIDELY, file=sys.stderr, flush=True)
+    print(LISTENS_WIDELY, file=sys.stderr, flush=True)
     if free is None:
         return local_processes.run(commands(args, workers), args, label="worker")
 
