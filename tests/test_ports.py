@@ -64,3 +64,58 @@ def test_jax_gloo_beyond_loopback_is_said_once(capsys):
     assert not ports.warn_if_gloo_reachable("launch", resolve=lambda: "127.0.1.1")
     assert not ports.warn_if_gloo_reachable("launch", resolve=lambda: None)
     assert capsys.readouterr().err == ""
+
+
+def _bind(port, reuse_port):
+    """None, or the `OSError` of a bind to 127.0.0.1:`port` (as a server of
+    this user with `SO_REUSEPORT`, gRPC's way, or as any other program)."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            other.bind(("127.0.0.1", port))
+        except OSError as error:
+            return error
+    return None
+
+
+def test_a_held_port_is_refused_to_every_bind_but_this_users_server():
+    import os
+
+    holder = ports.hold_free_port()
+    try:
+        port = holder.getsockname()[1]
+        assert ports.LOWEST_CHOSEN_PORT <= port
+        assert _bind(port, reuse_port=False) is not None  # Any other program.
+        assert _bind(port, reuse_port=True) is None  # This user's gRPC server.
+        if os.geteuid() == 0:
+            # Another user, even with SO_REUSEPORT: the kernel refuses it.
+            pid = os.fork()
+            if pid == 0:
+                os.setuid(65534)
+                os._exit(0 if _bind(port, reuse_port=True) is not None else 1)
+            assert os.waitpid(pid, 0)[1] == 0, "another user bound the held port"
+    finally:
+        holder.close()
+    assert _bind(port, reuse_port=False) is None  # Released once closed.
+
+
+def test_the_jax_launch_holds_the_coordinators_port_while_it_runs(monkeypatch):
+    from keras_parallel.launcher import jax_processes, local_processes
+
+    seen = {}
+
+    def run(attempt, args, **_):
+        for number in (0, 1):  # A restart holds a fresh port.
+            attempt(number)
+            seen[number] = args.master_port
+            assert _bind(args.master_port, reuse_port=False) is not None, number
+        return 0
+
+    monkeypatch.setattr(local_processes, "run", run)
+    monkeypatch.setattr(ports, "warn_if_gloo_reachable", lambda *_: None)
+    assert jax_processes.main(["--nproc-per-node", "2", __file__]) == 0
+    assert seen[0] != seen[1]
+    for port in seen.values():  # Released when the launch returns.
+        assert _bind(port, reuse_port=False) is None

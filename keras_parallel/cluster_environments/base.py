@@ -37,16 +37,24 @@ def positive_seconds(environ, variable, default, example):
     return seconds
 
 
-def bind_error(host, port):
+#: A port the launcher holds for this process's server (a gRPC server of the
+#: same user, which binds with SO_REUSEPORT, takes it: `launcher.ports`).
+HELD_PORT_VAR = "KERAS_PARALLEL_HELD_PORT"
+
+
+def bind_error(host, port, reuse_port=False):
     """Why a server could not listen on `port` here (the `OSError`), or None.
 
     Binds with SO_REUSEADDR, as the runtimes' servers do (gRPC, libuv): a port
     the last run left in TIME-WAIT is free to them, one something listens on
     is not; a plain bind would refuse both for about 60 s. `host` `""` is
-    every interface.
+    every interface. `reuse_port`: with SO_REUSEPORT too, as gRPC binds (a
+    port this user's launcher holds for it is free to it).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             probe.bind((host, port))
         except OSError as error:

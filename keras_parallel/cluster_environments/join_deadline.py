@@ -14,6 +14,7 @@ import warnings
 
 from keras_parallel.cluster_environments import record_joined
 from keras_parallel.cluster_environments.base import (
+    HELD_PORT_VAR,
     ClusterEnvironmentError,
     bind_error,
     environment_error,
@@ -72,7 +73,10 @@ def check_port_free(env, address):
             variables that set it and the rank.
     """
     port = int(address.rsplit(":", 1)[1])
-    error = bind_error("", port)
+    # A port the launcher holds for this process (`launcher.ports`) is free
+    # to its gRPC server, which binds as SO_REUSEPORT lets it.
+    held = os.environ.get(HELD_PORT_VAR) == str(port)
+    error = bind_error("", port, reuse_port=held)
     if error is not None:
         raise environment_error(
             f"{env.name}: rank {env.global_rank()} must listen on port "

@@ -8,14 +8,16 @@ process 0 hosts the coordinator.
 import os
 
 from keras_parallel.backends.jax import runtime
-from keras_parallel.cluster_environments.base import host_port
+from keras_parallel.cluster_environments.base import HELD_PORT_VAR, host_port
 from keras_parallel.launcher import local_processes, ports
 
 
-def commands(args, base_env=None):
+def commands(args, base_env=None, held_port=False):
     """One `(argv, env)` per process of this node, in process order.
 
-    `base_env` (default `os.environ`) is the environment to start from.
+    `base_env` (default `os.environ`) is the environment to start from;
+    `held_port`: the launcher holds `--master-port` for process 0's
+    coordinator (`ports.hold_free_port`), which its port check then allows.
     """
     base = dict(os.environ if base_env is None else base_env)
     nproc, nnodes = args.nproc_per_node, args.nnodes
@@ -35,6 +37,8 @@ def commands(args, base_env=None):
                 "JAX_COORDINATOR_BIND_ADDRESS": bind,
             },
         )
+        if held_port:
+            env[HELD_PORT_VAR] = str(port)
         if args.devices_per_process:
             flags = [
                 f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
@@ -65,12 +69,23 @@ def main(argv):
                 "--master-addr and --master-port on every node."
             )
 
-        def attempt(number):
-            # A fresh port per attempt: the last coordinator's may linger.
-            args.master_port = ports.free_port(args.master_addr)
-            return commands(args)
+        held = []
 
-        return local_processes.run(attempt, args)
+        def attempt(number):
+            # A fresh port per attempt (the last coordinator's may linger),
+            # held for process 0's coordinator while the attempt runs
+            # (`ports.hold_free_port`): no other user takes it in between.
+            while held:
+                held.pop().close()
+            held.append(ports.hold_free_port(args.master_addr))
+            args.master_port = held[0].getsockname()[1]
+            return commands(args, held_port=True)
+
+        try:
+            return local_processes.run(attempt, args)
+        finally:
+            while held:
+                held.pop().close()
     if args.node_rank == 0:
         ports.check_port_free(args.master_addr, args.master_port)
     return local_processes.run(commands(args), args)

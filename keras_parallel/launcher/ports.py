@@ -50,6 +50,43 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
+def hold_free_port(host="127.0.0.1"):
+    """A free port, held for this user's server until the socket is closed.
+
+    The socket is bound with `SO_REUSEPORT` and does not listen: the kernel
+    then refuses the port to every other bind (a program without
+    `SO_REUSEPORT`, or another user's with it) while a gRPC server of this
+    user, which binds with `SO_REUSEPORT` (JAX's coordinator), takes it.
+    No other local user can take the port between its choice and the
+    server's bind. (TensorFlow's gRPC servers bind without `SO_REUSEPORT`:
+    their ports cannot be held this way.)
+
+    Args:
+        host: the address the server will bind.
+
+    Returns:
+        The bound `socket.socket`; its port is `getsockname()[1]`. Close it
+        once the server is up or the run ended.
+    """
+    high = max(_ephemeral_low(), LOWEST_CHOSEN_PORT + 1000)
+    for _ in range(200):
+        port = _CHOOSER.randrange(LOWEST_CHOSEN_PORT, high)
+        if bind_error(host, port) is not None:
+            continue  # Listened on, or left in TIME-WAIT by another program.
+        holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            holder.bind((host, port))
+        except OSError:
+            holder.close()
+            continue
+        return holder
+    raise OSError(
+        f"no free port to hold on {host}: 200 ports tried between "
+        f"{LOWEST_CHOSEN_PORT} and {high}; pass --master-port with a free one."
+    )
+
+
 def loopback_listener():
     """A TCP socket listening on 127.0.0.1 at a free port, held open.
 
