@@ -38,6 +38,7 @@ import time
 from keras.callbacks import CallbackList
 
 from keras_parallel.replacements import Replacements
+from keras_parallel.signed_store import UntrustedValueError
 from keras_parallel.stall_positions import (
     decode_record,
     main_thread_waits_in,
@@ -133,6 +134,8 @@ class StallWatch:
         self._next_look = None
         self._report_due = None
         self._ended = False
+        #: The keys whose value the store refused (`_read`).
+        self._refused = set()
 
     # ------------------------------------------------------- main thread
     def moved(self, event, epoch=None, batch=None):
@@ -203,6 +206,27 @@ class StallWatch:
                 pass  # Not written yet.
         self.store.set(key, value)
 
+    def _read(self, key):
+        """The value under `key`, or None where the store refused it.
+
+        A value without the run's tag (`signed_store.UntrustedValueError`:
+        written by someone who reached the store) is not used, and said
+        once; the watch goes on with what the processes themselves wrote
+        (a refusal raised here would end the watch's tick for good).
+        """
+        try:
+            return self.store.try_get(key)
+        except UntrustedValueError as error:
+            if not self._refused:
+                print(
+                    f"keras_parallel: process {self.rank}'s stall watch refused "
+                    f"a value of the run's store and goes on without it: {error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._refused.add(key)
+            return None
+
     def _positions(self):
         """Every process's published position, by rank; a process whose
         position is not there (not published yet, or being replaced) is
@@ -212,7 +236,7 @@ class StallWatch:
             if rank == self.rank:
                 positions[rank] = decode_record(self._record())
                 continue
-            text = self.store.try_get(self._key("position", rank))
+            text = self._read(self._key("position", rank))
             record = decode_record(text) if text is not None else None
             if record is not None:
                 positions[rank] = record
@@ -246,7 +270,7 @@ class StallWatch:
                 self._key("waiting", self.rank),
                 self._record(waiting=main_thread_waits_in()),
             )
-        if self.store.try_get(self._key("reported")) is not None:
+        if self._read(self._key("reported")) is not None:
             self._end(stalled)
         elif self.clock() - self._waiting_since > 2 * REPORT_WAIT_S:
             # Its watch did not answer (a native call holding the GIL):
@@ -260,7 +284,7 @@ class StallWatch:
         waiting = {}
         for rank in positions:
             if rank != stalled:
-                text = self.store.try_get(self._key("waiting", rank))
+                text = self._read(self._key("waiting", rank))
                 record = decode_record(text) if text is not None else None
                 if record is not None:
                     waiting[rank] = record

@@ -143,6 +143,31 @@ def test_on_a_store_that_keeps_first_values_positions_still_move(capsys):
     assert capsys.readouterr().err.startswith("keras_parallel: process 1 (host ")
 
 
+def test_a_forged_value_is_refused_and_the_watch_goes_on(capsys):
+    # Someone who reached the store writes a report without the run's tag
+    # (one that says process 0 stalled, which would end the waiting
+    # processes before the stalled one's own report): refused and said, not
+    # used, the watch goes on, and process 1's real stall is named.
+    from keras_parallel.signed_store import SignedStore
+
+    store, clock, exits, watches = processes(3)
+    for watch in watches:
+        watch.store = SignedStore(store, b"the run's secret", watch.rank)
+    store.set("keras_parallel/stall/fit-1/reported", "0")
+    run(
+        watches,
+        clock,
+        60,
+        lambda rank, second: second < 5 or (rank != 1 and second == 5),
+    )
+    err = capsys.readouterr().err
+    assert exits == {0: STALLED_EXIT_CODE, 1: STALLED_EXIT_CODE, 2: STALLED_EXIT_CODE}
+    assert "stall watch refused a value of the run's store" in err, err
+    assert "keras_parallel/stall/fit-1/reported" in err
+    first = next(line for line in err.splitlines() if "stalled after" in line)
+    assert first.startswith("keras_parallel: process 1 (host "), first
+
+
 def test_a_process_that_published_nothing_is_not_named():
     _, clock, exits, watches = processes(2)
     silent = watches[1]
