@@ -36,6 +36,11 @@ class UntrustedValueError(RuntimeError):
     """A value in the run's store without the run's tag: not used."""
 
 
+class KeyAlreadySetError(RuntimeError):
+    """A write found its key already holding another value (a store that
+    keeps a key's first value: TensorFlow's coordination service)."""
+
+
 def tag(secret, key, sender, value):
     """The HMAC-SHA256 of `value` (bytes) under `key`, from `sender`."""
     message = b"\0".join([_TEXT_MAGIC.encode(), key.encode(), str(sender).encode()])

@@ -38,7 +38,7 @@ import time
 from keras.callbacks import CallbackList
 
 from keras_parallel.replacements import Replacements
-from keras_parallel.signed_store import UntrustedValueError
+from keras_parallel.signed_store import KeyAlreadySetError, UntrustedValueError
 from keras_parallel.stall_positions import (
     decode_record,
     main_thread_waits_in,
@@ -266,7 +266,8 @@ class StallWatch:
             return
         if self._waiting_since is None:
             self._waiting_since = self.clock()
-            self.store.set(
+            # Replaced: a process may wait, move on and wait again.
+            self._replace(
                 self._key("waiting", self.rank),
                 self._record(waiting=main_thread_waits_in()),
             )
@@ -295,7 +296,10 @@ class StallWatch:
         stacks = thread_stacks() if own_stack else None
         text = stall_report(stalled, positions, waiting, self.timeout, seconds, stacks)
         print(text, file=sys.stderr, flush=True)
-        self.store.set(self._key("reported"), str(stalled))
+        try:
+            self.store.set(self._key("reported"), str(stalled))
+        except KeyAlreadySetError:
+            pass  # Reported already (by the others, its watch late): one is enough.
 
     def _end(self, stalled):
         """Every process ends here, without a collective: the stalled one

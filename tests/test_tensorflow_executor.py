@@ -231,3 +231,34 @@ def test_a_second_callback_run_trains_every_batch_of_a_generator():
     ):
         np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
     assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_the_workers_store_refuses_a_key_already_holding_another_value(monkeypatch):
+    # TensorFlow's coordination service keeps a key's first value: a write
+    # under a key someone else wrote first is an error, not lost silently;
+    # the same value again is none.
+    from tensorflow.python.eager import context
+
+    from keras_parallel.backends.tensorflow.workers import CoordinationStore
+    from keras_parallel.signed_store import KeyAlreadySetError
+
+    values = {}
+
+    class Service:
+        def set_config_key_value(self, key, value):
+            if key in values:
+                raise tf.errors.AlreadyExistsError(None, None, key)
+            values[key] = value
+
+        def get_config_key_value(self, key, timeout_ms):
+            if key not in values:
+                raise tf.errors.NotFoundError(None, None, key)
+            return values[key]
+
+    monkeypatch.setattr(context, "context", Service)
+    store = CoordinationStore()
+    store.set("keras_parallel/stop/1/notice", "0:SIGTERM")
+    store.set("keras_parallel/stop/1/notice", "0:SIGTERM")  # The same: no error.
+    with pytest.raises(KeyAlreadySetError, match="keras_parallel/stop/1/notice"):
+        store.set("keras_parallel/stop/1/notice", "1:SIGTERM")
+    assert store.try_get("keras_parallel/stop/1/notice") == "0:SIGTERM"

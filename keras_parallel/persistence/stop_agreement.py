@@ -13,7 +13,7 @@ import time
 # The one-process store is the executor's (`Executor.key_value_store`).
 from keras_parallel.backends.base import LocalStore  # noqa: F401
 from keras_parallel.heartbeat import TICK_S, Heartbeat
-from keras_parallel.signed_store import UntrustedValueError
+from keras_parallel.signed_store import KeyAlreadySetError, UntrustedValueError
 
 #: Seconds between two looks for a notice: the run's heartbeat, every other
 #: tick of it where the stall watch shares it, one request a second per
@@ -124,7 +124,10 @@ class StopAgreement:
     def store_notice(self, signal_name):
         """Writes the notice that this process got `signal_name`."""
         if self._read(self._key("notice")) is None:
-            self.store.set(self._key("notice"), f"{self.rank}:{signal_name}")
+            try:
+                self.store.set(self._key("notice"), f"{self.rank}:{signal_name}")
+            except KeyAlreadySetError:
+                pass  # Another process's notice came first: one is enough.
 
     def _poll(self):
         """One tick: a notice? Returns False once there is no more to do.

@@ -18,6 +18,7 @@ from keras_parallel.cluster_environments import join_deadline, tf_config
 from keras_parallel.input import kinds
 from keras_parallel.keras_compat import print_msg
 from keras_parallel.replacements import replaced
+from keras_parallel.signed_store import KeyAlreadySetError
 
 _strategy = None
 
@@ -200,12 +201,32 @@ class CoordinationStore:
     READ_WAIT_MS = 1
 
     def set(self, key, value):
+        """Writes `value` under `key`, which must hold nothing or `value`.
+
+        The service keeps a key's first value: a write that finds another
+        one there would be lost without a word (a value someone else wrote
+        first, under a key they guessed). Writing the same value again is
+        no error.
+
+        Raises:
+            KeyAlreadySetError: `key` holds another value.
+        """
         from tensorflow.python.eager import context
 
         try:
             context.context().set_config_key_value(key, value)
         except tf.errors.AlreadyExistsError:
-            pass  # Written once: a second writer's value says the same.
+            found = self.try_get(key)
+            if found == value:
+                return
+            raise KeyAlreadySetError(
+                f"the run's store already holds another value under {key!r}, "
+                "which keeps a key's first value. Received: a write of "
+                f"{len(value)} characters where {len(found or '')} are; "
+                "every process of the run must share its secret, and nothing "
+                'else may write to its store (docs/multihost.md, "Network and '
+                'trust").'
+            ) from None
 
     def try_get(self, key):
         from tensorflow.python.eager import context
