@@ -6,8 +6,8 @@ TensorFlow workers).
 process with its own torch seed (a loader's shuffle must still be process
 0's), and pickles the results to `OUT/results<process>.pkl`;
 `... OUT fail` runs the pipeline that raises on process 1; `... OUT crafted`
-the generator whose first batch for process 1 an intruder wrote first
-(JAX), leaving `OUT/ran` if the payload was unpickled.
+the generator whose first batch for process 1 an intruder wrote first,
+leaving `OUT/ran` if the payload was unpickled.
 """
 
 import json

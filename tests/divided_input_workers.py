@@ -352,29 +352,41 @@ class _OpensFile:
 
 
 def crafted_batch_reaches_process_1(marker):
-    """A generator's `fit` on 2 JAX processes, where the payload under the
-    key process 1 takes the first batch from is a crafted pickle (as any
-    host that reaches the coordination service could write there, without
-    the run's secret): on process 0 the store's writes of that key are
-    replaced by it."""
+    """A generator's `fit` on 2 JAX processes or TensorFlow workers, where
+    the payload under the key process 1 takes the first batch from is a
+    crafted pickle (as any host that reaches the coordination service could
+    write there, without the run's secret): on process 0 the store's write
+    of that key is replaced by it."""
+    import base64
     import pickle
 
-    import jax
+    import keras
 
     import keras_parallel
-    from keras_parallel.backends.jax import processes
     from keras_parallel.input import transport
 
-    if jax.process_index() == 0:
-        target = transport.batch_key(0, 0) + "/1"  # The first generator run's.
+    target = transport.batch_key(0, 0) + "/1"  # The first generator run's.
+    crafted = pickle.dumps(_OpensFile(marker))
+    if process_index() == 0 and keras.backend.backend() == "jax":
+        from keras_parallel.backends.jax import processes
+
         put_bytes = processes.CoordinationStore.put_bytes
 
         def intruded(store, key, payload):
-            if key == target:
-                payload = pickle.dumps(_OpensFile(marker))
-            put_bytes(store, key, payload)
+            put_bytes(store, key, crafted if key == target else payload)
 
         processes.CoordinationStore.put_bytes = intruded
+    elif process_index() == 0:
+        from keras_parallel.backends.tensorflow import workers
+
+        set_value = workers.CoordinationStore.set
+
+        def intruded(store, key, value):
+            if key == target:  # TensorFlow's values are strings: base64.
+                value = base64.b64encode(crafted).decode("ascii")
+            set_value(store, key, value)
+
+        workers.CoordinationStore.set = intruded
 
     x, y = torch_workers.make_data(256)
 
