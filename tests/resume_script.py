@@ -20,7 +20,9 @@ environment it trains on a `PyDataset` instead of arrays. With
 (a stall); with `KILL="getitem:1"` it sleeps in the PyDataset's
 `__getitem__` instead, making a batch of epoch 2. `ALIKE_SLEEP=S` makes
 every process sleep S seconds at epoch 1, batch 1 (all alike slow, which
-is no stall). Run directly (one process) or through
+is no stall). With `KILL="forge:1"` process 1 writes a stop notice under
+the run's real key straight into the backend's store, without the run's
+tag (as anyone who reached the store could). Run directly (one process) or through
 `keras-parallel launch`. The tests import `build` and `train` for the
 uninterrupted reference.
 """
@@ -199,6 +201,13 @@ class Kill(keras.callbacks.Callback):
             f.write(f"{os.getpid()} {time.time()}")
         if self.how == "self":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif name == "forge":
+            forge_stop_notice()
+            # Every process's watch looks for a notice about every 2 s: this
+            # step waits until each has read it (the others wait for this
+            # process in the next step's collective).
+            time.sleep(4)
+            return
         elif name.startswith("SIG"):
             # One process (preempted at an agreed step), or the launcher
             # that started this one (`SIGTERM:launcher`, chosen: rank 0).
@@ -208,6 +217,24 @@ class Kill(keras.callbacks.Callback):
         if name == "wait" and rank.isdigit():
             asleep_in_a_callback()  # A stall of one process.
         time.sleep(300)
+
+
+def forge_stop_notice():
+    """A stop notice under this `fit`'s real key, written to the backend's
+    store itself (no tag: what an intruder can write)."""
+    from keras_parallel.persistence.preemption import PreemptionWatch
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        from keras_parallel.backends.jax.processes import CoordinationStore
+    elif backend == "torch":
+        from keras_parallel.backends.torch.group import (
+            KeyValueStore as CoordinationStore,
+        )
+    else:
+        from keras_parallel.backends.tensorflow.workers import CoordinationStore
+    key = f"keras_parallel/stop/{PreemptionWatch._entries}/notice"
+    CoordinationStore().set(key, "0:SIGTERM")
 
 
 def _rank():

@@ -365,6 +365,20 @@ def test_a_process_asleep_making_its_batch_is_named(tmp_path, source, asleep_in)
     assert_names_process_1(err, asleep_in)
 
 
+def test_a_forged_stop_notice_is_refused_on_every_process_and_none_stops(tmp_path):
+    # Process 1 writes a stop notice under the run's real key without the
+    # run's tag, as anyone who reached the store could: refused (naming
+    # the key), no process stops at an agreed step as a preemption would
+    # (exit code 75), every process ends.
+    process = start(2, tmp_path, tmp_path / "backup", "forge:1")
+    code, err, _ = finish(process, TIMEOUT_S)
+    assert code not in (0, 75), err[-4000:]
+    assert "UntrustedValueError" in err, err[-4000:]
+    assert "keras_parallel/stop/1/notice" in err, err[-4000:]
+    assert "preempted" not in err, err[-4000:]
+    assert running(str(tmp_path)) == []
+
+
 @jax_and_torch
 def test_max_restarts_restarts_the_group_and_resumes_exactly(tmp_path, uninterrupted):
     backup = tmp_path / "backup"
