@@ -275,6 +275,18 @@ def assert_trained_as_one_device(result, reference):
     )
 
 
+def assert_crafted_batch_refused(result, out, name):
+    """The launch of `crafted_batch_reaches_process_1` failed on process 1
+    (`name`: "process", "worker") with the store's refusal naming the key,
+    and the crafted payload never ran (no `OUT/ran`)."""
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "UntrustedValueError" in result.stderr, result.stderr[-3000:]
+    assert "'keras_parallel/input/0/0/1'" in result.stderr
+    assert "does not carry this run's tag" in result.stderr
+    assert f"{name} 1 failed" in result.stderr
+    assert not (out / "ran").exists()
+
+
 def assert_divided_after_fit(results, reference, kind):
     """Each process prepared about its share of `evaluate`'s and `predict`'s
     input (the 1003 rows once each on one device, and on TensorFlow the
