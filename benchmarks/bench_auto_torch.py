@@ -20,6 +20,8 @@ import argparse
 import os
 import sys
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 os.environ["KERAS_BACKEND"] = "torch"
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
@@ -126,7 +128,7 @@ def _profiled_peak(model, x, y):
             seen.add(storage.data_ptr())
             state += storage.nbytes()
     buckets = 0
-    executor = model._kp_binding.executor
+    executor = binding_of(model).executor
     ddp = getattr(executor, "_ddp", None)
     if ddp is not None:
         sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")

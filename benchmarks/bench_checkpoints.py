@@ -46,6 +46,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_parallel  # noqa: E402
+from keras_parallel.keras_seam.model_state import binding_of
 
 WIDTH, INPUTS, OUTPUTS, DEPTH, BATCH = 4096, 1024, 16, 3, 32
 
@@ -183,7 +184,7 @@ def restore_times(root, repeats=3):
     def ours(shape):
         model = build(shape)
         model.optimizer.build(model.trainable_variables)  # as for Keras's, below
-        model._kp_binding.prepare(model)
+        binding_of(model).prepare(model)
         start = time.perf_counter()
         keras_parallel.restore_checkpoint(model, root)
         return time.perf_counter() - start
@@ -191,7 +192,7 @@ def restore_times(root, repeats=3):
     def keras_own():
         model = build((1, 8))
         model.optimizer.build(model.trainable_variables)
-        model._kp_binding.prepare(model)
+        binding_of(model).prepare(model)
         start = time.perf_counter()
         model.load_weights(root)
         return time.perf_counter() - start
@@ -233,7 +234,7 @@ def measure_restore(root, how):
 
     model = build()
     model.optimizer.build(model.trainable_variables)
-    model._kp_binding.prepare(model)
+    binding_of(model).prepare(model)
     process = psutil.Process()
     before = {"rss": process.memory_info().rss, "device": device_bytes()}
     peak = {"rss": before["rss"], "device": before["device"]}

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import keras_parallel  # noqa: E402
 from keras_parallel import demo  # noqa: E402
+from keras_parallel.keras_seam.model_state import binding_of
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):
@@ -215,7 +216,7 @@ def memory():
     )
     x, y = data(64)
     model.fit(x, y, batch_size=64, verbose=0)
-    plan = model._kp_binding.plan
+    plan = binding_of(model).plan
     kinds = ("model", "optimizer")
     planned = [v for v in plan.variables if v.kind in kinds]
     total = sum(v.bytes_total for v in planned)

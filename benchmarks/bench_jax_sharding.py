@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 import keras_parallel  # noqa: E402
 from keras_parallel.backends.jax import batches  # noqa: E402
+from keras_parallel.keras_seam.model_state import binding_of
 
 MODES = (None, "full", "optimizer")
 WIDTH = 1024
@@ -111,7 +112,7 @@ def main():
     for mode in MODES:
         model = build(mode)
         memory = compiled_memory(model, x, y)
-        plan = model._kp_binding.plan
+        plan = binding_of(model).plan
         replicated = plan.bytes_total()
         largest = max(v.bytes_total for v in plan.variables if v.kind == "model")
         target = replicated / 8 + largest

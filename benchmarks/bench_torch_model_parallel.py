@@ -31,6 +31,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 from process_memory import status_kib, timed_steps  # noqa: E402
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 WIDTHS = (2048, 8192, 8192, 2048)
 KINDS = ("ddp", "model_parallel")
 
@@ -119,7 +121,7 @@ def worker(kind, steps, batch):
     model = _build(True, kind)
     times = timed_steps(model, x, y, batch, steps)
     peak = status_kib("VmHWM")
-    plan = model._kp_binding.plan
+    plan = binding_of(model).plan
     return {
         "step_s": statistics.median(times),
         "model_mib": (peak - before) / 1024,

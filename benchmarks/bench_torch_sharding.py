@@ -33,6 +33,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 from process_memory import status_kib, timed_steps  # noqa: E402
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 WIDTHS = (2048, 8192, 8192, 2048)
 KINDS = ("ddp", "full", "optimizer")
 
@@ -94,7 +96,7 @@ def worker(kind, steps, batch, cap_mib):
             raise
         return {"failed": f"{type(error).__name__}: {str(error)[:120]}"}
     peak = status_kib("VmHWM")
-    plan = model._kp_binding.plan
+    plan = binding_of(model).plan
     return {
         "step_s": statistics.median(times),
         "model_mib": (peak - before) / 1024,

@@ -41,6 +41,8 @@ import sys
 import time
 import traceback
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 #: `(steps timed, small batch, medium: batch, sequence, width, blocks)`.
 SIZES = {
     "full": (64, 64, (32, 256, 768, 6)),
@@ -139,7 +141,7 @@ def _torch_part(size):
         parallel.predict(x[:batch], batch_size=batch, verbose=0)
         # The distributed path ran: DDP wraps the model (made after the
         # first step, once every variable had a gradient).
-        row["DDP"] = parallel._kp_binding.executor._ddp is not None
+        row["DDP"] = binding_of(parallel).executor._ddp is not None
         if cuda:
             row["syncs/step keras"] = _torch_syncs(build(False), x, y, batch)
             row["syncs/step keras_parallel"] = _torch_syncs(build(True), x, y, batch)

@@ -18,6 +18,8 @@ preemption agreement included, as `fit` runs them by default).
 
 import sys
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 #: Keras's functions of control in a step; any other is a helper.
 _CONTROL = {
     "train_step",
@@ -110,7 +112,7 @@ def _trace_steps():
 
     profile, events, visited = _tracer()
     batch = (torch.as_tensor(x[:64]), torch.as_tensor(y[:64]))
-    with Run(model._kp_binding, model):
+    with Run(binding_of(model), model):
         step = model.train_step  # The distributed step, installed in scope.
         sys.setprofile(profile)
         try:

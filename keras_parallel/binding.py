@@ -8,8 +8,8 @@ from keras_parallel import auto, auto_choice, report
 from keras_parallel.backends import executor_class, resolve_plan_for
 from keras_parallel.building import build_from_inputs, is_built
 from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam.overrides import HeldOverride
 from keras_parallel.plan import check_distribution, variables_signature
-from keras_parallel.trainer_class import HeldSwap
 
 
 class Binding:
@@ -54,8 +54,8 @@ class Binding:
         #: The `run.Run` in force, while an entry point runs.
         self.run = None
         self._signature = None
-        #: The saving the applied plan needs (`Executor.saving_swap`).
-        self._saving = HeldSwap()
+        #: The saving the applied plan needs (`Executor.saving_override`).
+        self._saving = HeldOverride()
         self._announced = False
         self._hinted = False
 
@@ -103,9 +103,9 @@ class Binding:
         self.plan = plan
         self._signature = signature
         self.version += 1
-        swap = self.executor.saving_swap(model)
-        if swap is not None:
-            self._saving.hold(swap)
+        start = self.executor.saving_override(model)
+        if start is not None:
+            self._saving.hold(start)
         self._hint_one_device()
         return True
 

@@ -5,6 +5,7 @@ import keras
 from keras_parallel import callback_lists
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam.model_state import state_of
 from keras_parallel.persistence import atomic
 from keras_parallel.run import Run
 
@@ -78,7 +79,7 @@ class ShardingCallback(callback_lists.PhaseCallback):
         super().set_model(model)
         # So that `describe(model)` finds the plan this callback applied;
         # set past Keras's and torch's attribute tracking.
-        object.__setattr__(model, "_kp_callback_binding", self.binding)
+        state_of(model).callback_binding = self.binding
         self._plain_steps = {
             name: getattr(model, name, None) for name in _STEP_FUNCTIONS
         }
@@ -88,7 +89,7 @@ class ShardingCallback(callback_lists.PhaseCallback):
         run = Run(
             self.binding,
             model,
-            swaps=[lambda: atomic.atomic_saving(model, executor)],
+            overrides=[lambda: atomic.atomic_saving(model, executor)],
         )
         run.__enter__()
         # Keras makes its step functions next; those of this plan are

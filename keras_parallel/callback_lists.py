@@ -15,6 +15,8 @@ _handlers = []
 _replacements = Replacements()
 #: The last list made while a handler was registered (a weak reference).
 _latest = [None]
+#: `{callback list: the callbacks remove_callbacks took out of it}`.
+_removed = weakref.WeakKeyDictionary()
 
 
 def add_handler(handler, model=None):
@@ -70,22 +72,18 @@ def track_lists():
 def remove_callbacks(callback_list, kinds):
     """Takes the callbacks of `kinds` (a class or tuple) out of `callback_list`.
 
-    They stay in `callback_list._kp_removed` for handlers that must decide
-    from the whole list, alike on every process.
+    They stay listed for handlers that must decide from the whole list,
+    alike on every process (`every_callback`).
     """
     kept = [c for c in callback_list.callbacks if not isinstance(c, kinds)]
     removed = [c for c in callback_list.callbacks if isinstance(c, kinds)]
     callback_list.callbacks = kept
-    callback_list._kp_removed = (
-        list(getattr(callback_list, "_kp_removed", ())) + removed
-    )
+    _removed[callback_list] = _removed.get(callback_list, []) + removed
 
 
 def every_callback(callback_list):
     """The run's callbacks, those `remove_callbacks` took out included."""
-    return list(callback_list.callbacks) + list(
-        getattr(callback_list, "_kp_removed", ())
-    )
+    return list(callback_list.callbacks) + list(_removed.get(callback_list, ()))
 
 
 def append_callback(callback_list, callback):

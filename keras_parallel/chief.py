@@ -10,7 +10,7 @@ writes in a call is in place when the call returns on any rank
 from keras import callbacks
 
 from keras_parallel import callback_lists
-from keras_parallel.trainer_class import TrainerMixin, swap_class
+from keras_parallel.keras_seam.overrides import Overrides, override
 
 
 def _rank_zero_callbacks(collective_saving):
@@ -51,54 +51,67 @@ class ChiefOnlyCallbacks:
             self._remove = None
 
 
-class ChiefOnlySaving(TrainerMixin):
+class ChiefOnlySaving(Overrides):
     """On a process other than 0, `save` and `save_weights` write nothing,
     and return once process 0's file is written.
 
-    Where saving is a collective (JAX across processes), the process joins it
-    (`model._kp_collective_saving`, the executor's `checkpoint_io.saving`).
-    `model._kp_chief_writes` (a `ChiefWrites`, or None for one process)
-    waits for process 0's record of the same call.
+    Args:
+        saving: where saving is a collective (JAX across processes), the
+            executor's `checkpoint_io.saving`, which the process joins;
+            else None.
+        writes: a `ChiefWrites`, which waits for process 0's record of the
+            same call, or None for one process.
     """
 
+    names = ("save", "save_weights")
+
+    def __init__(self, saving, writes):
+        self.saving = saving
+        self.writes = writes
+
     def save(self, *args, **kwargs):
-        return _join_without_writing(self, _path(args, kwargs))
+        return self._join_without_writing(_path(args, kwargs))
 
     def save_weights(self, *args, **kwargs):
-        return _join_without_writing(self, _path(args, kwargs))
+        return self._join_without_writing(_path(args, kwargs))
+
+    def _join_without_writing(self, path):
+        with _writing(self.writes, path):
+            if self.saving is not None:
+                with self.saving(self.model):
+                    pass  # This rank's part of the collective; rank 0 writes.
+        return None
 
 
-def _join_without_writing(model, path):
-    with _writing(model, path):
-        saving = model._kp_collective_saving
-        if saving is not None:
-            with saving(model):
-                pass  # This rank's part of the collective; rank 0 writes.
-    return None
-
-
-class ChiefSaving(TrainerMixin):
+class ChiefSaving(Overrides):
     """On process 0 of several, `save` and `save_weights` tell the other
-    processes once the file is written, or that writing it failed
-    (`model._kp_chief_writes`)."""
+    processes once the file is written, or that writing it failed.
+
+    Args:
+        writes: the run's `ChiefWrites`, or None.
+    """
+
+    names = ("save", "save_weights")
+
+    def __init__(self, writes):
+        self.writes = writes
 
     def save(self, *args, **kwargs):
-        with _writing(self, _path(args, kwargs)):
-            return super().save(*args, **kwargs)
+        with _writing(self.writes, _path(args, kwargs)):
+            return self.overridden.save(*args, **kwargs)
 
     def save_weights(self, *args, **kwargs):
-        with _writing(self, _path(args, kwargs)):
-            return super().save_weights(*args, **kwargs)
+        with _writing(self.writes, _path(args, kwargs)):
+            return self.overridden.save_weights(*args, **kwargs)
 
 
 def _path(args, kwargs):
     return args[0] if args else kwargs.get("filepath")
 
 
-def _writing(model, path):
+def _writing(writes, path):
     import contextlib
 
-    writes = model._kp_chief_writes
     if writes is None:
         return contextlib.nullcontext()
     return writes.writing("save", path)
@@ -115,7 +128,7 @@ def chief_saving(model, writes):
     Returns:
         A function that undoes it.
     """
-    return swap_class(model, ChiefSaving, _kp_chief_writes=writes)
+    return override(model, ChiefSaving(writes))
 
 
 class FitWrites(callbacks.Callback):
@@ -178,13 +191,11 @@ def chief_only_saving(model, saving=None, writes=None):
     Returns:
         A function that undoes it.
     """
-    return swap_class(
-        model, ChiefOnlySaving, _kp_collective_saving=saving, _kp_chief_writes=writes
-    )
+    return override(model, ChiefOnlySaving(saving, writes))
 
 
 def process_saving(model, executor, saving=None):
-    """The saving swap of one process of several (`Executor.saving_swap`).
+    """The saving override of one process of several (`Executor.saving_override`).
 
     Process 0 writes and tells the others (`ChiefSaving`); the others write
     nothing and wait for its record (`ChiefOnlySaving`), joining `saving`
@@ -197,7 +208,7 @@ def process_saving(model, executor, saving=None):
             collective (JAX across processes); else None.
 
     Returns:
-        A function that puts the swap in force and returns its undo.
+        A function that puts the override in force and returns its undo.
     """
     writes = executor.chief_writes()
     if executor.is_chief:

@@ -7,19 +7,27 @@ and this mixin records that batch's shapes and dtypes as Keras draws it,
 drawing nothing more.
 """
 
-from keras_parallel.trainer_class import TrainerMixin, swap_class
+from keras_parallel.keras_seam.overrides import Overrides, override
 
 
-class FirstBatchSeen(TrainerMixin):
-    """Records the batch Keras's `_symbolic_build` is given or draws."""
+class FirstBatchSeen(Overrides):
+    """Records the batch Keras's `_symbolic_build` is given or draws.
+
+    Args:
+        seen: a function of the batch.
+    """
+
+    names = ("_symbolic_build",)
+
+    def __init__(self, seen):
+        self.seen = seen
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        seen = self._kp_batch_seen
         if data_batch is not None:
-            seen(data_batch)
+            self.seen(data_batch)
         elif iterator is not None:
-            iterator = _RecordingIterator(iterator, seen)
-        return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+            iterator = _RecordingIterator(iterator, self.seen)
+        return self.overridden._symbolic_build(iterator=iterator, data_batch=data_batch)
 
 
 def watch(model, seen):
@@ -33,7 +41,7 @@ def watch(model, seen):
     Returns:
         A function that stops watching.
     """
-    return swap_class(model, FirstBatchSeen, _kp_batch_seen=seen)
+    return override(model, FirstBatchSeen(seen))
 
 
 class _RecordingIterator:

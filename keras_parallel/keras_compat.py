@@ -188,15 +188,14 @@ REPLACED = (
     ),
     Target(
         "keras.src.models.model.Model",
-        "__class__",
-        "a subclass of the model's own class with keras_parallel's mixins "
-        "first (`trainer_class.py`): the backend's trainer while an entry "
-        "point runs; `save` and `save_weights` writing whole files "
-        "(`persistence/atomic.py`), nothing on processes other than 0 "
-        "(`chief.py`), the split variables gathered first under torch "
-        "ModelParallel (`backends/torch/model_parallel.py`); the batch "
-        "Keras builds the model from seen, for `Auto` (`first_batch.py`); "
-        "`model.__class__` still shows the model's own",
+        ("save", "save_weights", "_symbolic_build"),
+        "methods put on the model itself while a part is in force "
+        "(`keras_seam/overrides.py`; its class is never changed): `save` and "
+        "`save_weights` writing whole files (`persistence/atomic.py`), "
+        "nothing on processes other than 0 (`chief.py`), the split variables "
+        "gathered first under torch ModelParallel "
+        "(`backends/torch/model_parallel.py`); the batch Keras builds the "
+        "model from seen, for `Auto` (`first_batch.py`)",
         on_instances=True,
     ),
 )

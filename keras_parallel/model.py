@@ -7,6 +7,7 @@ import keras
 from keras_parallel.backends import executor_class
 from keras_parallel.binding import Binding
 from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam.model_state import binding_of, state_of
 from keras_parallel.run import Run
 
 _ENTRY_POINTS = (
@@ -64,13 +65,13 @@ class DistributedModel:
                 is left on one device, its weights unchanged.
         """
         binding = None if distribution is None else Binding(distribution)
-        self._kp_unbind()
+        unbind(self)
         super().compile(*args, **kwargs)
         if binding is not None:
             # A built model is planned now, so a bad layout fails at compile;
             # an unbuilt one is planned once fit has built it.
             binding.prepare(self)
-            _set_untracked(self, "_kp_binding", binding)
+            state_of(self).binding = binding
 
     def __reduce__(self):
         # Keras pickles a model as its saved file and a function that loads
@@ -103,7 +104,7 @@ class DistributedModel:
         with saving.saved_as_keras_class(DistributedModel):
             # A reader never sees half a file (`keras_parallel.persistence.atomic`).
             return atomic.call_replacing(
-                super().save, args, kwargs, self._kp_executor(), self
+                super().save, args, kwargs, _executor(self), self
             )
 
     def save_weights(self, *args, **kwargs):
@@ -119,7 +120,7 @@ class DistributedModel:
         from keras_parallel.persistence import atomic
 
         return atomic.call_replacing(
-            super().save_weights, args, kwargs, self._kp_executor(), self
+            super().save_weights, args, kwargs, _executor(self), self
         )
 
     def load_weights(self, filepath, *args, **kwargs):
@@ -162,10 +163,6 @@ class DistributedModel:
                 f"that saved it. The load failed with: {error}"
             ) from error
 
-    def _kp_executor(self):
-        binding = getattr(self, "_kp_binding", None)
-        return None if binding is None else binding.executor
-
     def compile_from_config(self, config):
         """Compiles a loaded model from its saved compile config.
 
@@ -194,7 +191,7 @@ class DistributedModel:
             parent(dir_path)
         from keras_parallel.persistence import saving
 
-        binding = getattr(self, "_kp_binding", None)
+        binding = binding_of(self)
         # An `Auto` that has not chosen yet saves nothing; once it has, the
         # loaded model gets the distribution it chose.
         unchosen = binding is not None and binding.unchosen()
@@ -211,7 +208,10 @@ class DistributedModel:
             parent(dir_path)
         from keras_parallel.persistence import saving
 
-        saving.restore_distribution(self, dir_path, Binding)
+        binding = saving.saved_binding(self, dir_path, Binding)
+        if binding is not None:
+            unbind(self)
+            state_of(self).binding = binding
 
     def get_weights(self):
         """`keras.Model.get_weights`, whole on every process.
@@ -222,7 +222,7 @@ class DistributedModel:
         Returns:
             A list of NumPy arrays.
         """
-        binding = getattr(self, "_kp_binding", None)
+        binding = binding_of(self)
         if binding is None:
             return super().get_weights()
         return [
@@ -233,55 +233,56 @@ class DistributedModel:
     def distribution(self):
         """The distribution in effect, or `None` for one device (an `Auto`
         until it has chosen, then what it chose)."""
-        binding = getattr(self, "_kp_binding", None)
+        binding = binding_of(self)
         if binding is None:
             return None
         return binding.auto if binding.unchosen() else binding.distribution
 
-    def _kp_unbind(self):
-        binding = getattr(self, "_kp_binding", None)
-        if binding is not None:
-            binding.release(self)
-            _set_untracked(self, "_kp_binding", None)
-            _set_untracked(self, "_kp_made", {})
-
-    def _kp_make(self, kind, make, force):
-        # The run planned the model before Keras makes its step (`run.Run`):
-        # a step made under an older plan is made again.
-        binding = getattr(self, "_kp_binding", None)
-        if binding is not None:
-            if kind == "train" and getattr(self, "_kp_announce", False):
-                _set_untracked(self, "_kp_announce", False)
-                binding.announce(self, print_msg)
-            made = getattr(self, "_kp_made", None)
-            if made is None:
-                made = {}
-                _set_untracked(self, "_kp_made", made)
-            if made.get(kind) != binding.version:
-                force = True
-                made[kind] = binding.version
-        result = make(force=force)
-        if binding is not None:
-            binding.wrap_steps(self)
-            if kind == "predict":
-                # Keras's JAX trainer returns the function it made.
-                result = self.predict_function
-        return result
-
     def make_train_function(self, force=False):
-        return self._kp_make("train", super().make_train_function, force)
+        return _make(self, "train", super().make_train_function, force)
 
     def make_test_function(self, force=False):
-        return self._kp_make("test", super().make_test_function, force)
+        return _make(self, "test", super().make_test_function, force)
 
     def make_predict_function(self, force=False):
-        return self._kp_make("predict", super().make_predict_function, force)
+        return _make(self, "predict", super().make_predict_function, force)
 
 
-def _set_untracked(model, name, value):
-    """Sets `model.<name>` past Keras's and torch's attribute tracking: our
-    own `_kp_*` attributes hold no Keras object to track."""
-    object.__setattr__(model, name, value)
+def unbind(model):
+    """Returns `model` to one device and forgets its distribution (a
+    `compile` without one, or a loaded model given its saved one)."""
+    binding = binding_of(model)
+    if binding is not None:
+        binding.release(model)
+        state = state_of(model)
+        state.binding = None
+        state.made = {}
+
+
+def _executor(model):
+    binding = binding_of(model)
+    return None if binding is None else binding.executor
+
+
+def _make(model, kind, make, force):
+    # The run planned the model before Keras makes its step (`run.Run`):
+    # a step made under an older plan is made again.
+    binding = binding_of(model)
+    if binding is not None:
+        state = state_of(model)
+        if kind == "train" and state.announce:
+            state.announce = False
+            binding.announce(model, print_msg)
+        if state.made.get(kind) != binding.version:
+            force = True
+            state.made[kind] = binding.version
+    result = make(force=force)
+    if binding is not None:
+        binding.wrap_steps(model)
+        if kind == "predict":
+            # Keras's JAX trainer returns the function it made.
+            result = model.predict_function
+    return result
 
 
 def _jax_setattr(self, name, value):
@@ -334,7 +335,7 @@ def _check_base_order(cls):
 
 def _entry_point(name):
     def method(self, *args, **kwargs):
-        binding = getattr(self, "_kp_binding", None)
+        binding = binding_of(self)
         call = getattr(super(DistributedModel, self), name)
         if binding is None or binding.run is not None:
             # One device, or an entry point inside a run (the evaluation
@@ -346,7 +347,7 @@ def _entry_point(name):
             # fit(x, y, batch_size, epochs, verbose, ...): the plan is printed
             # once the step is made, when every variable exists.
             verbose = kwargs.get("verbose", args[4] if len(args) > 4 else "auto")
-            _set_untracked(self, "_kp_announce", verbose != 0)
+            state_of(self).announce = verbose != 0
         with Run(binding, self, build=_built_from_batch(self, name, args, kwargs)):
             return call(*args, **kwargs)
 
@@ -371,7 +372,7 @@ def _built_from_batch(model, name, args, kwargs):
     names = ("x", "y", "sample_weight")
     values = dict(zip(names, args, strict=False))
     batch = tuple(kwargs.get(n, values.get(n)) for n in names)
-    executor = model._kp_binding.executor
+    executor = binding_of(model).executor
     kind = name.partition("_")[0]
     return lambda: executor.build_from_batch(model, kind, batch)
 

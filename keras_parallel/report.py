@@ -3,6 +3,7 @@
 import os
 
 from keras_parallel import cluster_environments, sharding
+from keras_parallel.keras_seam.model_state import STATE_ATTRIBUTE
 
 
 def describe(model, distribution=None):
@@ -36,9 +37,8 @@ def describe(model, distribution=None):
 
     # A DistributedModel holds its binding; a ShardingCallback leaves its
     # own on the model it ran.
-    binding = getattr(model, "_kp_binding", None) or getattr(
-        model, "_kp_callback_binding", None
-    )
+    state = vars(model).get(STATE_ATTRIBUTE)
+    binding = state and (state.binding or state.callback_binding)
     if distribution is None and binding is None:
         raise ValueError(
             f"Model {model.name!r} has no distribution to describe. Received: "

@@ -14,7 +14,7 @@ while Keras's trainer runs, in one exit stack:
        both on one heartbeat (one store request a second per process)
     5. the plan's `planned_scope(model)`, once a plan is applied (again
        when a newer plan is: the older one's left first)
-    6. the door's own swaps (a callback's whole-file saving)
+    6. the door's own overrides (a callback's whole-file saving)
 
 The plan is applied before Keras's loop: at once if the model is built, else
 the moment Keras has built it, which is when Keras makes the run's callback
@@ -48,9 +48,9 @@ class Run:
             unbuilt of the model (and its optimizer and metrics) from the
             batch, as Keras does first (`_built_from_batch` in `model.py`):
             called here, the model is planned before Keras makes its step.
-        swaps: functions called once in force, each putting a swap in force
-            and returning the function that ends it (the callback door's
-            whole-file saving).
+        overrides: functions called once in force, each putting an override
+            in force and returning the function that ends it (the callback
+            door's whole-file saving).
 
     Example:
 
@@ -60,11 +60,11 @@ class Run:
     ```
     """
 
-    def __init__(self, binding, model, build=None, swaps=()):
+    def __init__(self, binding, model, build=None, overrides=()):
         self.binding = binding
         self.model = model
         self._build = build
-        self._swaps = tuple(swaps)
+        self._overrides = tuple(overrides)
         self._stack = None
         #: The applied plan's `planned_scope`, while one is in force.
         self._planned = None
@@ -101,8 +101,8 @@ class Run:
             if self._build is not None:
                 self._build()
             self.plan()
-            for swap in self._swaps:
-                stack.callback(swap())
+            for start in self._overrides:
+                stack.callback(start())
         except BaseException as error:
             stack.__exit__(type(error), error, error.__traceback__)
             raise

@@ -11,6 +11,8 @@ Results are plain Python values.
 import os
 import traceback
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 FEATURES, HIDDEN, OUTPUTS = 64, 512, 64
@@ -198,8 +200,8 @@ def _auto_model(name):
             "needs": [(c.name, c.bytes_per_device, c.refused) for c in needs],
             "thresholds": thresholds,
             "target": target[0],
-            "chosen": run._kp_binding.choice.chosen.name,
-            "first_fitting": _first_fitting(run._kp_binding.choice),
+            "chosen": binding_of(run).choice.chosen.name,
+            "first_fitting": _first_fitting(binding_of(run).choice),
             "distribution": type(run.distribution).__name__,
             "weights": weights,
             "split": split_probe.records(),

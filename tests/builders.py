@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 
 def dense_model(model_class, batchnorm=False, name="net", seed=1, probe=False):
     """A small functional MLP: d1 (16->32), optional BatchNorm, d2 (32->8).
@@ -126,7 +128,7 @@ def sharding_ops(model, x, y):
 
     from keras_parallel.run import Run
 
-    binding = model._kp_binding
+    binding = binding_of(model)
     with Run(binding, model):
         state = model._get_jax_state(
             trainable_variables=True,

@@ -13,6 +13,8 @@ import numpy as np
 import split_probe
 import torch_workers
 
+from keras_parallel.keras_seam.model_state import state_of
+
 EPOCHS = 2
 ROWS = 1003  # 16 batches of 64, the last of 43: an uneven last batch.
 BATCH = 64
@@ -252,7 +254,7 @@ def process_index():
 
 def _divided_kinds(model):
     """The input kinds seen, and whether each was divided (`{}` alone)."""
-    binding = getattr(model, "_kp_callback_binding", None)
+    binding = state_of(model).callback_binding
     if binding is None:
         return {}
     executor = binding.executor

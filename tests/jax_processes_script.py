@@ -17,6 +17,7 @@ import keras
 import numpy as np
 
 import keras_parallel
+from keras_parallel.keras_seam.model_state import binding_of
 
 CASES = (
     "data_parallel_one_step",
@@ -142,7 +143,7 @@ def run_case(out, case):
     )
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
     # Which rows of a 64-row global batch this process's devices hold.
-    layout = model._kp_binding.executor._planned.get_data_layout((64, 16))
+    layout = binding_of(model).executor._planned.get_data_layout((64, 16))
     batch = distribute_batch(
         data()[0][:64], layout.backend_layout, "data", previous=None
     )

@@ -23,6 +23,7 @@ import numpy as np
 from builders import wide_data, wide_mlp
 
 import keras_parallel
+from keras_parallel.keras_seam.model_state import binding_of
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):
@@ -69,7 +70,7 @@ def run_case(out, mode):
         weights[f"step{steps}"] = model.get_weights()  # Whole, every process.
     for name, values in weights.items():
         np.savez(os.path.join(out, f"{name}_{process}.npz"), *values)
-    layout = model._kp_binding.executor._planned.get_data_layout((64, 256))
+    layout = binding_of(model).executor._planned.get_data_layout((64, 256))
     batch = distribute_batch(x[:64], layout.backend_layout, "batch", previous=None)
     rows = sorted({i for s in batch.addressable_shards for i in range(64)[s.index[0]]})
     held = {}

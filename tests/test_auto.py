@@ -16,6 +16,7 @@ from builders import max_relative_difference, weights_of
 
 import keras_parallel
 from keras_parallel import auto, auto_choice
+from keras_parallel.keras_seam.model_state import binding_of
 
 BACKEND = keras.backend.backend()
 jax_only = pytest.mark.skipif(BACKEND != "jax", reason="Auto predicts on JAX")
@@ -98,7 +99,7 @@ def test_without_a_budget_a_cpu_is_refused_at_the_first_fit_unchanged():
     with pytest.raises(ValueError, match=r"device_memory=\"2GiB\""):
         model.fit(x, y, batch_size=BATCH, verbose=0)
     assert max_relative_difference(weights_of(model), before) == 0
-    assert model._kp_binding.plan is None
+    assert binding_of(model).plan is None
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_the_chosen_distribution_trains_like_one_device_with_the_split_proven(
         _mlp(probe=True), keras_parallel.Auto(device_memory=budget, headroom=0)
     )
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    binding = model._kp_binding
+    binding = binding_of(model)
     assert binding.choice.chosen.name == full.name
     assert model.distribution is binding.choice.chosen.distribution
     assert model.distribution.shard == "full"
@@ -249,7 +250,7 @@ def test_a_model_nothing_fits_is_refused_before_any_step_unchanged():
     assert "largest variable is d2/kernel" in message
     assert steps == []
     assert max_relative_difference(weights_of(model), before) == 0
-    assert model._kp_binding.plan is None
+    assert binding_of(model).plan is None
 
 
 @jax_only
@@ -323,7 +324,7 @@ def test_a_kerashub_llama_trains_as_chosen_like_one_device(recorded_steps):
         keras_parallel.Auto(device_memory=second.bytes_per_device, headroom=0)
     )
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    chosen = model._kp_binding.choice.chosen
+    chosen = binding_of(model).choice.chosen
     assert chosen.name == second.name
     split_probe.assert_divided(split_probe.records()[-1:], 16, 8)
     compiled, args = recorded_steps[-1]
@@ -365,7 +366,7 @@ def test_a_prediction_before_the_choice_is_refused(door, entry_point):
     x, _ = _data(BATCH)
     if door == "model":
         model = _compile(_mlp(), auto_)
-        binding = model._kp_binding
+        binding = binding_of(model)
         call = getattr(model, entry_point)
     else:
         model = _compile(_mlp(model_class=keras.Model), None)

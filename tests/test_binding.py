@@ -12,6 +12,7 @@ from builders import dense_model, regression_data, weights_of
 import keras_parallel
 from keras_parallel.binding import Binding
 from keras_parallel.errors import ShardingError
+from keras_parallel.keras_seam.model_state import binding_of
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):
@@ -155,7 +156,7 @@ def test_an_error_inside_fit_reaches_the_executor_scope_as_an_error(monkeypatch)
             raise
         seen.append("ended normally")
 
-    monkeypatch.setattr(model._kp_binding.executor, "scope", recording_scope)
+    monkeypatch.setattr(binding_of(model).executor, "scope", recording_scope)
 
     class Boom(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -168,7 +169,7 @@ def test_an_error_inside_fit_reaches_the_executor_scope_as_an_error(monkeypatch)
     assert len(seen) == 1 and isinstance(seen[0], ValueError)
     model.fit(x, y, batch_size=64, verbose=0)
     assert seen[1] == "ended normally"
-    assert model._kp_binding.run is None
+    assert binding_of(model).run is None
 
 
 @jax_only
@@ -185,10 +186,10 @@ def test_a_plan_scope_that_fails_to_enter_leaves_nothing_installed(monkeypatch):
     def failing(model):
         raise RuntimeError("planned scope failed")
 
-    monkeypatch.setattr(model._kp_binding.executor, "planned_scope", failing)
+    monkeypatch.setattr(binding_of(model).executor, "planned_scope", failing)
     with pytest.raises(RuntimeError, match="planned scope failed"):
         model.fit(x, y, batch_size=64, verbose=0)
     # The entry point's own scope (exact backups) was left as well.
     assert vars(EpochIterator)["__init__"] is keras_init
-    assert model._kp_binding.run is None
+    assert binding_of(model).run is None
     assert keras.distribution.distribution() is None

@@ -24,7 +24,7 @@ LAYERS = (
         "keras_compat",
         "replacement_targets",
         "replacements",
-        "trainer_class",
+        "keras_seam",
         "layout_keys",
         "logical_axes",
         "layout_rules",

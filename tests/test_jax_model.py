@@ -18,6 +18,7 @@ from builders import (
 )
 
 import keras_parallel
+from keras_parallel.keras_seam.model_state import binding_of
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax",
@@ -237,7 +238,7 @@ def test_nested_layer_output_key_by_path_suffix():
         loss="mse",
         distribution=keras.distribution.ModelParallel(layout_map=layout_map),
     )
-    plan = model._kp_binding.plan
+    plan = binding_of(model).plan
     assert [(o.key, o.path) for o in plan.outputs] == [
         ("d2/output", "net/block/d2/output")
     ]
@@ -264,11 +265,11 @@ def test_subclassed_model_built_by_fit_is_distributed():
         loss="mse",
         distribution=keras.distribution.ModelParallel(layout_map=layout_map),
     )
-    assert model._kp_binding.plan is None  # not built: planned once fit builds it
+    assert binding_of(model).plan is None  # not built: planned once fit builds it
     x, y = regression_data(64)
     model.fit(x, y[:, :1].repeat(32, axis=1), batch_size=32, verbose=0)
     assert model.d1.kernel.value.sharding.spec == P(None, "model")
-    assert model._kp_binding.plan is not None
+    assert binding_of(model).plan is not None
 
 
 def test_model_trained_before_the_distribution_continues_exactly():

@@ -25,6 +25,7 @@ from builders import (
 )
 
 import keras_parallel
+from keras_parallel.keras_seam.model_state import binding_of
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax",
@@ -159,7 +160,7 @@ def convnet_weights(shard, steps, optimizer="adam"):
         # device as on eight. Noise compared with noise has no relative
         # error worth reading: it is left out.
         weights.pop("large_k/bias")
-        plan = None if one_device else model._kp_binding.plan
+        plan = None if one_device else binding_of(model).plan
         _CONVNETS[key] = (list(weights.values()), plan, split_probe.records())
         split_probe.clear()
     return _CONVNETS[key]
@@ -343,7 +344,7 @@ def built_and_compiled(monkeypatch, in_scope):
 
 def test_built_in_scope_device_holds_its_shards_and_one_variable(monkeypatch):
     model, peak = built_and_compiled(monkeypatch, in_scope=True)
-    binding = model._kp_binding
+    binding = binding_of(model)
     binding.prepare(model)  # The plan with the optimizer's slots.
     plan = binding.plan
     largest = max(v.bytes_total for v in plan.variables)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 from subprocesses import checkout_env  # noqa: E402
 
 import keras_parallel  # noqa: E402
+from keras_parallel.keras_seam.model_state import binding_of  # noqa: E402
 
 pytest.importorskip(
     "orbax.checkpoint",
@@ -104,7 +105,7 @@ def assert_state_equal(model, expected):
 
 def assert_laid_out_per_plan(model, mesh_shape):
     """Every weight and optimizer variable lies on the plan's mesh and axes."""
-    plan = model._kp_binding.plan
+    plan = binding_of(model).plan
     variables = list(model.weights) + list(model.optimizer.variables)
     entries = {e.path: e for e in plan.variables}
     for variable in variables:

@@ -13,6 +13,7 @@ from builders import dense_model, regression_data
 
 import keras_parallel
 from keras_parallel import run as run_module
+from keras_parallel.keras_seam.model_state import binding_of
 from keras_parallel.run import Run
 
 
@@ -49,7 +50,7 @@ def runs(monkeypatch):
 def _plan_versions_at_make(model, monkeypatch):
     """`[(kind, plan version when Keras asks for the step, after)]`."""
     seen = []
-    binding = model._kp_binding
+    binding = binding_of(model)
     for kind in ("train", "test", "predict"):
         name = f"make_{kind}_function"
         own = getattr(model, name)
@@ -72,7 +73,7 @@ def test_an_unbuilt_model_is_planned_before_keras_makes_its_step(
 ):
     x, y = model_forms.data(64)
     model = _compiled(_unbuilt())
-    assert model._kp_binding.plan is None  # Unbuilt: nothing to plan yet.
+    assert binding_of(model).plan is None  # Unbuilt: nothing to plan yet.
     seen = _plan_versions_at_make(model, monkeypatch)
     calls = {
         "fit": lambda: model.fit(x, y, batch_size=16, verbose=0),
@@ -96,7 +97,7 @@ def test_an_unbuilt_model_is_planned_before_keras_makes_its_step(
         # test_first_call.py). The next entry point applies the plan.
         assert seen == [("predict", None, 0)]
         model.predict(x, batch_size=16, verbose=0)
-        assert model._kp_binding.plan is not None
+        assert binding_of(model).plan is not None
         return
     assert seen, "Keras made no step function"
     for kind, before, after in seen:
@@ -110,7 +111,7 @@ def test_an_evaluation_inside_fit_runs_in_the_fit_run(runs):
     model = _compiled(dense_model(Net))
     model.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0)
     assert len(runs) == 1
-    assert model._kp_binding.run is None
+    assert binding_of(model).run is None
 
 
 def test_each_entry_point_is_one_run_through_the_model_door(runs):
@@ -123,7 +124,7 @@ def test_each_entry_point_is_one_run_through_the_model_door(runs):
     model.test_on_batch(x[:16], y[:16])
     model.predict_on_batch(x[:16])
     assert len(runs) == 6
-    assert {r.binding for r in runs} == {model._kp_binding}
+    assert {r.binding for r in runs} == {binding_of(model)}
 
 
 def test_the_callback_door_makes_the_same_run():
@@ -153,7 +154,7 @@ def test_parts_are_left_in_reverse_order_with_the_error(monkeypatch):
 
         return scope
 
-    executor = model._kp_binding.executor
+    executor = binding_of(model).executor
     monkeypatch.setattr(executor, "scope", recorded("scope"))
     monkeypatch.setattr(executor, "planned_scope", recorded("planned"))
 
@@ -169,15 +170,15 @@ def test_parts_are_left_in_reverse_order_with_the_error(monkeypatch):
         ("exit", "planned", ValueError),
         ("exit", "scope", ValueError),
     ]
-    assert model._kp_binding.run is None
+    assert binding_of(model).run is None
 
 
 def test_a_run_inside_a_run_of_the_same_binding_is_refused():
     model = _compiled(dense_model(Net))
-    with Run(model._kp_binding, model):
+    with Run(binding_of(model), model):
         with pytest.raises(RuntimeError, match="already in force"):
-            Run(model._kp_binding, model).__enter__()
-    assert model._kp_binding.run is None
+            Run(binding_of(model), model).__enter__()
+    assert binding_of(model).run is None
 
 
 def test_a_plan_that_fails_inside_a_run_leaves_every_part(monkeypatch):
@@ -190,18 +191,18 @@ def test_a_plan_that_fails_inside_a_run_leaves_every_part(monkeypatch):
     def refused(model):
         raise keras_parallel.ShardingError("refused plan")
 
-    monkeypatch.setattr(model._kp_binding, "resolve", refused)
-    real_scope = model._kp_binding.executor.scope
+    monkeypatch.setattr(binding_of(model), "resolve", refused)
+    real_scope = binding_of(model).executor.scope
 
     def scope(model):
         left.append("scope entered")
         return real_scope(model)
 
-    monkeypatch.setattr(model._kp_binding.executor, "scope", scope)
+    monkeypatch.setattr(binding_of(model).executor, "scope", scope)
     with pytest.raises(keras_parallel.ShardingError, match="refused plan"):
         model.fit(x, y, batch_size=16, verbose=0)
     assert left == ["scope entered"]
-    assert model._kp_binding.run is None
+    assert binding_of(model).run is None
     assert len(run_module.callback_lists._handlers) == handlers_before
     assert keras.distribution.distribution() is None
 

@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 AXES = ("data", "model")
@@ -341,7 +343,7 @@ def _held(model):
     from keras_parallel.backends.torch import dtensor_layouts
 
     variables = list(model.variables) + list(model.optimizer.variables)
-    plan = model._kp_binding.plan
+    plan = binding_of(model).plan
     return {
         "d2_output": _d2_output_placements(model),
         "plan_outputs": [(o.key, o.path, tuple(o.axes)) for o in plan.outputs],
@@ -383,7 +385,7 @@ def _d2_output_placements(model):
     from keras_parallel.backends.torch.step_metrics import StepRows
     from keras_parallel.run import Run
 
-    binding = model._kp_binding
+    binding = binding_of(model)
     steps = binding.executor._steps
     if not hasattr(steps, "mesh"):
         return None  # A mesh (4, 1) runs on DDP: no DTensors.

@@ -15,6 +15,8 @@ import traceback
 
 import numpy as np
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 BATCH = 64
@@ -260,7 +262,7 @@ def ddp_accumulation(accumulate=4, updates=2):
             verbose=0,
             callbacks=[per_step],
         )
-        steps_object = model._kp_binding.executor._steps
+        steps_object = binding_of(model).executor._steps
         return {
             "weights": [_weights(model)],
             "split": split_probe.records(),
@@ -338,7 +340,7 @@ def built_in_scope(in_scope, weights_file=None):
             }
             model.compile(optimizer=_adam(), loss="mse", distribution=distribution)
             after_compile = _variable_bytes(created)
-        plan = model._kp_binding.plan
+        plan = binding_of(model).plan
         model_entries = [e for e in plan.variables if e.kind == "model"]
         out = {
             "trace": trace,

@@ -214,17 +214,20 @@ def train(
         "step_logs": step_logs,
         "rank": int(os.environ.get("RANK", "0")),
         "split": split,
-        # The entry points swap the model's class; put back after each.
+        # The entry points put the trainer's methods on the model; taken
+        # off after each.
         "class_during_fit": classes["during_fit"],
         "class_after": _class_of(model),
     }
 
 
 def _class_of(model):
-    """`(what model.__class__ shows, the bases of type(model) before it)`."""
-    shown = model.__class__
-    mro = type(model).__mro__
-    return shown.__name__, [c.__name__ for c in mro[1 : mro.index(shown)]]
+    """`(type(model)'s name, whether model.__class__ is type(model), the
+    overrides in force on the model, the newest first)`."""
+    from keras_parallel.keras_seam.overrides import in_force
+
+    honest = model.__class__ is type(model)
+    return type(model).__name__, honest, [type(o).__name__ for o in in_force(model)]
 
 
 class _ArraySequence:

@@ -181,7 +181,7 @@ class Executor(abc.ABC):
         """
         yield
 
-    def saving_swap(self, model):
+    def saving_override(self, model):
         """The saving this process's model needs for its distributed life.
 
         The binding holds it from `apply` to `release`, whichever door
@@ -193,8 +193,8 @@ class Executor(abc.ABC):
             model: the model `apply` was just given.
 
         Returns:
-            A function that puts the swap in force and returns the function
-            that ends it, or None (the default: nothing to swap).
+            A function that puts the override in force and returns the function
+            that ends it, or None (the default: nothing to override).
         """
         return None
 

@@ -15,7 +15,7 @@ import contextlib
 import os
 import tempfile
 
-from keras_parallel.trainer_class import TrainerMixin, swap_class
+from keras_parallel.keras_seam.overrides import Overrides, override
 
 
 @contextlib.contextmanager
@@ -112,21 +112,27 @@ def call_replacing(save, args, kwargs, executor=None, model=None):
             return save(*new_args, **new_kwargs)
 
 
-class AtomicSaving(TrainerMixin):
+class AtomicSaving(Overrides):
     """`save` and `save_weights` that write whole files (`call_replacing`).
 
-    The executor whose `checkpoint_io.saving` is in force meanwhile is
-    `model._kp_atomic_executor`.
+    Args:
+        executor: the executor whose `checkpoint_io.saving` is in force
+            meanwhile, or None.
     """
+
+    names = ("save", "save_weights")
+
+    def __init__(self, executor):
+        self.executor = executor
 
     def save(self, *args, **kwargs):
         return call_replacing(
-            super().save, args, kwargs, self._kp_atomic_executor, self
+            self.overridden.save, args, kwargs, self.executor, self.model
         )
 
     def save_weights(self, *args, **kwargs):
         return call_replacing(
-            super().save_weights, args, kwargs, self._kp_atomic_executor, self
+            self.overridden.save_weights, args, kwargs, self.executor, self.model
         )
 
 
@@ -139,4 +145,4 @@ def atomic_saving(model, executor=None):
     Returns:
         A function that undoes it.
     """
-    return swap_class(model, AtomicSaving, _kp_atomic_executor=executor)
+    return override(model, AtomicSaving(executor))

@@ -75,41 +75,74 @@ def _noop(*args, **kwargs):
     return None
 
 
+class BackupProgress:
+    """Where a `BackupAndRestore`'s run is, beyond Keras's own record
+    (`callback._kp_backup`, set past Keras's tracking).
+
+    Attributes:
+        epoch: the epoch begun last, or None before the first.
+        epoch_state: the random state that epoch began from.
+        training_iterator: a weak reference to the run's training iterator.
+        counted_adapter: a weak reference to the data adapter whose epoch
+            count was moved on for a resumed run.
+        steps_to_skip: the batches a mid-epoch backup had trained, passed
+            over once the training iterator starts.
+    """
+
+    def __init__(self):
+        self.epoch = None
+        self.epoch_state = None
+        self.training_iterator = None
+        self.counted_adapter = None
+        self.steps_to_skip = 0
+
+
+def progress_of(callback):
+    """`callback`'s `BackupProgress`, made on first use."""
+    progress = vars(callback).get("_kp_backup")
+    if progress is None:
+        progress = BackupProgress()
+        object.__setattr__(callback, "_kp_backup", progress)
+    return progress
+
+
 def _epoch_begins(callback, epoch, executor):
     # The state a resumed run must start this epoch from, for saves made
     # before it ends.
-    callback._kp_epoch = epoch
-    callback._kp_epoch_state = _random_state(callback.model, executor)
+    progress = progress_of(callback)
+    progress.epoch = epoch
+    progress.epoch_state = _random_state(callback.model, executor)
     _count_resumed_epochs(callback)
 
 
 def _count_resumed_epochs(callback):
-    reference = getattr(callback, "_kp_training_iterator", None)
+    progress = progress_of(callback)
+    reference = progress.training_iterator
     adapter = getattr(reference and reference(), "data_adapter", None)
-    counted = getattr(callback, "_kp_counted_adapter", None)
+    counted = progress.counted_adapter
     if isinstance(getattr(adapter, "_epoch", None), int) and (
         counted is None or counted() is not adapter
     ):
         # keras-nightly shuffles by the adapter's count of the epochs this
         # `fit` ran: a run resumed at epoch k counts as if it had run k.
-        callback._kp_counted_adapter = weakref.ref(adapter)
-        adapter._epoch += getattr(callback, "_kp_epoch", 0)
+        progress.counted_adapter = weakref.ref(adapter)
+        adapter._epoch += progress.epoch or 0
 
 
 def _resumed_enumerate(keras_enumerate):
     """Keras's `EpochIterator._enumerate_iterator`, first passing over the
-    batches a mid-epoch backup had trained (`_kp_steps_to_skip`, set when
-    the backup is loaded)."""
+    batches a mid-epoch backup had trained (`BackupProgress.steps_to_skip`,
+    set when the backup is loaded)."""
 
     def enumerate_resumed(iterator):
         reference, _awaiting_iterator[0] = _awaiting_iterator[0], None
         callback = reference and reference()
         skip = 0
         if callback is not None:
-            callback._kp_training_iterator = weakref.ref(iterator)
+            progress = progress_of(callback)
+            progress.training_iterator = weakref.ref(iterator)
             _count_resumed_epochs(callback)
-            skip = getattr(callback, "_kp_steps_to_skip", 0)
-            callback._kp_steps_to_skip = 0
+            skip, progress.steps_to_skip = progress.steps_to_skip, 0
         passed = 0
         for item in keras_enumerate(iterator):
             begin_step, _, data = item
@@ -146,18 +179,19 @@ def _save(callback, executor):
     epoch = callback._current_epoch
     state = _random_state(callback.model, executor)
     steps_done = 0
-    if getattr(callback, "_kp_epoch", -1) >= epoch:
+    progress = progress_of(callback)
+    if progress.epoch is not None and progress.epoch >= epoch:
         # Saved within an epoch (integer `save_freq`, or a preemption). Keras's
         # own `_current_epoch` moves at epoch ends only, so it says 0 within
         # the first epoch of a resumed run.
-        epoch = callback._kp_epoch
+        epoch = progress.epoch
         batches = (callback.params or {}).get("steps")
         last_batch = batches and callback._last_batch_seen + 1 >= batches
         if callback.model.steps_per_execution == 1 and not last_batch:
             # Resumed after the trained batches: the epoch's shuffle from its
             # first host random state, the dropout masks from here on.
             steps_done = callback._last_batch_seen + 1
-            state = dict(callback._kp_epoch_state)
+            state = dict(progress.epoch_state)
             state["seed_generators"] = _random_state(callback.model, executor)[
                 "seed_generators"
             ]
@@ -165,7 +199,7 @@ def _save(callback, executor):
             # Resumed at the epoch's start (an epoch resumed after all its
             # batches would train none; a preemption there waits for the
             # epoch's end, `persistence/preemption.py`).
-            state = callback._kp_epoch_state
+            state = progress.epoch_state
     metadata = {
         "epoch": epoch,
         "batch": callback._last_batch_seen,
@@ -200,7 +234,7 @@ def _load(callback, executor):
             f"before you call `fit()`. Received: model {model.name!r}, unbuilt; "
             "build it first (call it on a batch of data, or `model.build`)."
         )
-    callback._kp_training_iterator = None
+    progress_of(callback).training_iterator = None
     _awaiting_iterator[0] = weakref.ref(callback)
     if os.path.isdir(callback.backup_dir):
         backup_checks.check_owner(callback.backup_dir)
@@ -248,7 +282,7 @@ def _restore(callback, metadata, executor):
         steps_done = ours.get("steps_done", 0)
         if steps_done:
             # Passed over by the training iterator (`_resumed_enumerate`).
-            callback._kp_steps_to_skip = steps_done
+            progress_of(callback).steps_to_skip = steps_done
             # Keras counts batches since its last save from here.
             callback._last_batch_seen = steps_done - 1
             callback._batches_seen_since_last_saving = 0

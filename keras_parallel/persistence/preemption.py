@@ -17,6 +17,7 @@ from keras import callbacks
 from keras.callbacks import CallbackList
 
 from keras_parallel.persistence import signal_actions
+from keras_parallel.persistence.backup import progress_of as backup_progress
 from keras_parallel.persistence.preemption_settings import (
     PREEMPTED_EXIT_CODE,
     grace_seconds,
@@ -208,7 +209,7 @@ class PreemptionWatch:
             ),
             None,
         )
-        epoch = getattr(backup, "_kp_epoch", None)
+        epoch = None if backup is None else backup_progress(backup).epoch
         if backup is not None:
             if not epoch_ended:
                 backup._last_batch_seen = batch

@@ -119,7 +119,7 @@ def compile_from_config(model, config):
 
     Mirrors `keras.Model.compile_from_config`, which skips every class that
     overrides `compile`. The distribution is applied after, from the assets
-    (`restore_distribution`).
+    (`saved_binding`).
 
     Args:
         model: the loaded `DistributedModel`.
@@ -285,12 +285,13 @@ def save_distribution(distribution, dir_path):
         json.dump(describe_distribution(distribution), f, indent=1)
 
 
-def restore_distribution(model, dir_path, binding_class):
-    """Re-applies a saved distribution to a loaded, compiled model.
+def saved_binding(model, dir_path, binding_class):
+    """The binding of a loaded, compiled model's saved distribution.
 
-    Nothing happens when none was saved, or when the model was loaded
-    uncompiled (`compile=False`: its `compile` call gives the distribution).
-    The plan is checked now and applied, with the loaded weights and
+    None when none was saved, when the model was loaded uncompiled
+    (`compile=False`: its `compile` call gives the distribution), or when the
+    saved one does not fit it here (a warning says so). The plan is checked
+    now; the model binds it, and it is applied, with the loaded weights and
     optimizer state, when the first entry point makes its step, as after
     `compile(..., distribution=...)` on an unbuilt model.
 
@@ -299,15 +300,18 @@ def restore_distribution(model, dir_path, binding_class):
         dir_path: its assets folder, as Keras gives it.
         binding_class: `keras_parallel.binding.Binding` (given by the model:
             saving sits below the binding in the package's layers).
+
+    Returns:
+        A `Binding`, or None.
     """
     path = os.path.join(dir_path, DISTRIBUTION_ASSET)
     if not os.path.exists(path) or not getattr(model, "compiled", False):
-        return
+        return None
     with open(path) as f:
         description = json.load(f)
     distribution = distribution_from_description(description)
     if distribution is None:
-        return
+        return None
     try:
         binding = binding_class(distribution)
         binding.resolve(model)
@@ -319,6 +323,5 @@ def restore_distribution(model, dir_path, binding_class):
             "model.compile(..., distribution=...).",
             stacklevel=3,
         )
-        return
-    model._kp_unbind()
-    object.__setattr__(model, "_kp_binding", binding)  # Untracked, as compile's.
+        return None
+    return binding

@@ -145,7 +145,7 @@ class JaxExecutor(Executor):
             with keras.StatelessScope():
                 model(batch[0])
 
-    def saving_swap(self, model):
+    def saving_override(self, model):
         if not processes.is_multi_process():
             return None
         return process_saving(model, self, self.checkpoint_io.saving)

@@ -9,6 +9,8 @@ import difflib
 import jax
 import orbax.checkpoint as _orbax
 
+from keras_parallel.keras_seam.model_state import binding_of
+
 _ocp = _orbax.v1
 
 _MODEL_GROUPS = ("trainable_variables", "non_trainable_variables")
@@ -47,7 +49,7 @@ def _build_optimizer(model):
     if optimizer is None or optimizer.built:
         return
     optimizer.build(model.trainable_variables)
-    binding = getattr(model, "_kp_binding", None)
+    binding = binding_of(model)
     if binding is not None:
         # The step counter and learning rate join the plan (replicated).
         binding.prepare(model)

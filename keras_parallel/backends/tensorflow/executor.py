@@ -171,7 +171,7 @@ class TensorFlowExecutor(Executor):
         _attach(model, strategy)
         self._applied = True
 
-    def saving_swap(self, model):
+    def saving_override(self, model):
         if self.num_processes == 1:
             return None
         return process_saving(model, self)

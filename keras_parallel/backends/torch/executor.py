@@ -37,6 +37,7 @@ from keras_parallel.chief import (
     process_saving,
 )
 from keras_parallel.errors import ShardingError
+from keras_parallel.keras_seam.model_state import state_of
 
 # Done when Keras is imported (`keras_parallel/__init__.py`), unless this
 # backend's own import is what imported Keras: then here.
@@ -203,9 +204,9 @@ class TorchExecutor(Executor):
             self._steps.use_ddp(self._ddp, make_ddp)
         torch_group.on_teardown(self)
 
-    def saving_swap(self, model):
+    def saving_override(self, model):
         if self._mesh_runner is not None:
-            return self._mesh_runner.saving_swap(model)
+            return self._mesh_runner.saving_override(model)
         if not torch_group.is_distributed():
             return None
         return process_saving(model, self)
@@ -234,9 +235,10 @@ class TorchExecutor(Executor):
     def _fold_rank_into_seeds(self, model):
         # Every rank built the same seed states; offset them once so each
         # rank draws its own dropout masks, as slices of one global batch do.
-        if getattr(model, "_kp_seeds_folded", False):
+        state = state_of(model)
+        if state.seeds_folded:
             return
-        object.__setattr__(model, "_kp_seeds_folded", True)
+        state.seeds_folded = True
         for variable in model.non_trainable_variables:
             if "seed_generator_state" in variable.path:
                 state = self.checkpoint_io.rank_seed_state(variable.value.detach())

@@ -143,9 +143,38 @@ OTHER_PRIVATE_NAMES = {
     ),
 }
 
+#: The model's methods that are the installed steps' own while an entry
+#: point runs (`trainer.TorchTrainer`).
+TRAINER_STEP_NAMES = (
+    "train_step",
+    "test_step",
+    "predict_step",
+    "get_metrics_result",
+    "_get_metrics_result_or_logs",
+    "call",
+)
+
 #: What the torch backend replaces while an entry point runs, through
 #: `keras_parallel.replacements`.
 REPLACED = (
+    Target(
+        "keras.src.models.model.Model",
+        (*TRAINER_STEP_NAMES, "_get_regularization_losses"),
+        "the model's methods while an entry point runs, put on the model "
+        "itself (`trainer.py`, `keras_seam/overrides.py`): each rank's rows "
+        "through the model's own step, metrics made global, the forward pass "
+        "through DDP; weight penalties made whole on DTensor variables",
+        on_instances=True,
+    ),
+    Target(
+        "keras.src.models.model.Model",
+        TORCH_COMPILE_CHOICES,
+        "Keras's whole-step `torch.compile` answered no (`trainer.py`): the "
+        "steps compile the model's forward pass instead (3.15's name, then "
+        "3.16's)",
+        on_instances=True,
+        optional=True,
+    ),
     Target(
         "keras.src.backend.torch.trainer.TorchEpochIterator",
         ("__iter__", "_get_iterator"),

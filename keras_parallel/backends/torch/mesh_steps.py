@@ -69,7 +69,7 @@ class MeshSteps(RankSteps):
     def install(self):
         if self._installed:
             return
-        # Read before the model's class puts `MeshTrainer` first.
+        # Read before `MeshTrainer`'s methods replace the model's.
         self._get_regularization_losses = whole_regularization_losses(self.model)
         super().install()
         self._stack = contextlib.ExitStack()

@@ -17,10 +17,10 @@ from keras_parallel.chief import (
     chief_only_saving,
     chief_saving,
 )
+from keras_parallel.keras_seam.overrides import Overrides, override
 from keras_parallel.layout_keys import reference_of
 from keras_parallel.plan import iter_planned_variables
 from keras_parallel.replacements import Replacements
-from keras_parallel.trainer_class import TrainerMixin, swap_class
 
 
 def runs_on_mesh(distribution):
@@ -119,8 +119,8 @@ class MeshRunner:
             self.steps.plan = plan
         torch_group.on_teardown(self)
 
-    def saving_swap(self, model):
-        """`Executor.saving_swap`: process 0 gathers the split variables
+    def saving_override(self, model):
+        """`Executor.saving_override`: process 0 gathers the split variables
         and writes; the others write nothing (both take part in the gather).
 
         For the model's whole distributed life, not only while an entry
@@ -272,19 +272,25 @@ def replicated_assign(assign):
     return assign_replicated
 
 
-class GatheredSaving(TrainerMixin):
+class GatheredSaving(Overrides):
     """`save` and `save_weights` with the split variables gathered first.
 
-    `model._kp_gathered_saving` is the executor's `checkpoint_io.saving`.
+    Args:
+        saving: the executor's `checkpoint_io.saving`.
     """
 
+    names = ("save", "save_weights")
+
+    def __init__(self, saving):
+        self.saving = saving
+
     def save(self, *args, **kwargs):
-        with self._kp_gathered_saving(self):
-            return super().save(*args, **kwargs)
+        with self.saving(self.model):
+            return self.overridden.save(*args, **kwargs)
 
     def save_weights(self, *args, **kwargs):
-        with self._kp_gathered_saving(self):
-            return super().save_weights(*args, **kwargs)
+        with self.saving(self.model):
+            return self.overridden.save_weights(*args, **kwargs)
 
 
 def gathered_saving(model, saving):
@@ -300,4 +306,4 @@ def gathered_saving(model, saving):
     Returns:
         A function that undoes it.
     """
-    return swap_class(model, GatheredSaving, _kp_gathered_saving=saving)
+    return override(model, GatheredSaving(saving))

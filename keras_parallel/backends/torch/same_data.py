@@ -6,6 +6,7 @@ every rank raises the same `ValueError` before any collective.
 """
 
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,10 @@ import torch.distributed as dist
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.batches import check_same_data, data_size
 from keras_parallel.backends.torch.flat_buffers import on_group_device
+
+#: `{epoch iterator: the model whose own run iterates it}`: the runs whose
+#: batches `divided_input` may divide.
+model_runs = weakref.WeakKeyDictionary()
 
 
 class SameDataCheck:
@@ -33,7 +38,7 @@ class SameDataCheck:
             if sys._getframe(1).f_locals.get("self") is self.model:
                 self.check(iterator)
                 # Marks the run whose batches `divided_input` may divide.
-                iterator._kp_model_run = self.model
+                model_runs[iterator] = self.model
             return keras_iter(iterator)
 
         return begin_epoch

@@ -23,13 +23,13 @@ from keras_parallel.backends.torch.keras_compat import (
 )
 from keras_parallel.backends.torch.metric_states import MetricStates
 from keras_parallel.backends.torch.random_stream import RankRandomStream
-from keras_parallel.backends.torch.same_data import SameDataCheck
+from keras_parallel.backends.torch.same_data import SameDataCheck, model_runs
 from keras_parallel.backends.torch.step_logs import ReturnedLogs
 from keras_parallel.backends.torch.step_metrics import NO_ROWS, StepMetrics, StepRows
 from keras_parallel.backends.torch.trainer import TorchTrainer
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
+from keras_parallel.keras_seam.overrides import override
 from keras_parallel.replacements import Replacements
-from keras_parallel.trainer_class import swap_class
 
 
 class RankSteps:
@@ -45,7 +45,7 @@ class RankSteps:
     #: Whether gradients are averaged here (DDP or `GradientMean`).
     reduces_gradients = True
 
-    #: The model's class puts this first while it runs.
+    #: The model's methods while it runs (`keras_seam/overrides.py`).
     trainer = TorchTrainer
 
     def __init__(self, model, ddp, world_size, rank, make_ddp=None):
@@ -58,7 +58,7 @@ class RankSteps:
         self.rank = rank
         self._installed = False
         self._replacements = Replacements()
-        self._restore_class = None
+        self._end_override = None
         self._own_call = None
         self._routing = False
         self._grad_scale = 1.0
@@ -81,8 +81,8 @@ class RankSteps:
         if self._installed:
             return
         model = self.model
-        # The model's own methods, read before its class puts the trainer's
-        # first (`trainer.TorchTrainer`).
+        # The model's own methods, read before the trainer's replace them
+        # (`trainer.TorchTrainer`).
         self._own_call = self._forward(model.call)
         previous = self.metrics
         self.metrics = StepMetrics(
@@ -104,7 +104,7 @@ class RankSteps:
         self._get_metrics_result_or_logs = self.metrics.epoch_logs(
             model._get_metrics_result_or_logs
         )
-        self._restore_class = swap_class(model, self.trainer, _kp_steps=self)
+        self._end_override = override(model, self.trainer(self))
         self._replacements.replace(
             TorchEpochIterator,
             "__iter__",
@@ -128,8 +128,8 @@ class RankSteps:
         self._routing = False
         self._uninstall_gradient_reduction()
         self._replacements.restore()
-        restore_class, self._restore_class = self._restore_class, None
-        restore_class()
+        end_override, self._end_override = self._end_override, None
+        end_override()
         self._installed = False
 
     def use_ddp(self, ddp, make_ddp=None):
@@ -194,7 +194,7 @@ class RankSteps:
 
         def get_iterator(iterator):
             loader = keras_get_iterator(iterator)
-            if getattr(iterator, "_kp_model_run", None) is not self.model:
+            if model_runs.get(iterator) is not self.model:
                 return loader
             return divided.batches(loader, getattr(iterator, "data_adapter", None))
 

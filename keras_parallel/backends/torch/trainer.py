@@ -1,23 +1,32 @@
-"""The torch trainer of a distributed model: its class while an entry point runs.
+"""The torch trainer of a distributed model: its methods while an entry point runs.
 
-Each of its methods is the installed `RankSteps`' attribute of that name
-(`steps.py`), which runs the model's own method for this rank's rows.
+Each is the installed `RankSteps`' attribute of that name (`steps.py`), which
+runs the model's own method for this rank's rows: put on the model itself
+(`keras_seam/overrides.py`), Keras calls it with no frame between.
 """
 
-from keras_parallel.trainer_class import TrainerMixin, attribute_of
+from keras_parallel.backends.torch.keras_compat import (
+    TORCH_COMPILE_CHOICES,
+    TRAINER_STEP_NAMES,
+)
+from keras_parallel.keras_seam.overrides import Overrides
 
 
-class TorchTrainer(TrainerMixin):
-    """Per-rank steps, global metrics and the forward pass through DDP."""
+class TorchTrainer(Overrides):
+    """Per-rank steps, global metrics and the forward pass through DDP.
 
-    train_step = attribute_of("_kp_steps", "train_step")
-    test_step = attribute_of("_kp_steps", "test_step")
-    predict_step = attribute_of("_kp_steps", "predict_step")
-    get_metrics_result = attribute_of("_kp_steps", "get_metrics_result")
-    _get_metrics_result_or_logs = attribute_of(
-        "_kp_steps", "_get_metrics_result_or_logs"
-    )
-    call = attribute_of("_kp_steps", "call")
+    Args:
+        steps: the installed `RankSteps`, whose attributes of `STEP_NAMES`
+            the model runs.
+    """
+
+    #: The model's methods that are the steps' attributes of the same name.
+    STEP_NAMES = TRAINER_STEP_NAMES
+    names = (*STEP_NAMES, *TORCH_COMPILE_CHOICES)
+
+    def __init__(self, steps):
+        for name in self.STEP_NAMES:
+            setattr(self, name, getattr(steps, name))
 
     def _should_torch_compile(self):
         # With `jit_compile=True` Keras would `torch.compile` its whole step
@@ -34,4 +43,5 @@ class TorchTrainer(TrainerMixin):
 class MeshTrainer(TorchTrainer):
     """`TorchTrainer` on DTensor variables: weight penalties made whole."""
 
-    _get_regularization_losses = attribute_of("_kp_steps", "_get_regularization_losses")
+    STEP_NAMES = (*TorchTrainer.STEP_NAMES, "_get_regularization_losses")
+    names = (*STEP_NAMES, *TORCH_COMPILE_CHOICES)
