@@ -31,7 +31,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_parallel  # noqa: E402
-from keras_parallel import auto_choice  # noqa: E402
+from keras_parallel.auto import choice as auto_choice  # noqa: E402
 from keras_parallel.backends import executor_class  # noqa: E402
 from keras_parallel.backends.jax import batches  # noqa: E402
 

@@ -73,7 +73,7 @@ def _predictions(name):
     import keras
 
     import keras_parallel
-    from keras_parallel import auto_choice
+    from keras_parallel.auto import choice as auto_choice
     from keras_parallel.backends import executor_class, resolve_plan_for
 
     model = _model(name)
@@ -141,7 +141,7 @@ def measure(name):
     """On every rank: each candidate predicted, then trained and measured."""
     import keras
 
-    from keras_parallel import auto_choice
+    from keras_parallel.auto import choice as auto_choice
     from keras_parallel.backends import executor_class
 
     predicted = _predictions(name)

@@ -2,7 +2,7 @@
 
 Every process of a run talks to one coordinator's key-value store: the
 preemption's stop agreement looks for a notice there, and the stall watch
-publishes the process's position there (keras_parallel/heartbeat.py: one
+publishes the process's position there (keras_parallel/run/heartbeat.py: one
 thread, one tick a second). This measures, for N torch processes (gloo on
 this machine's CPU, `keras_parallel.launch` with the forkserver start
 method) training one small model with `fit`:

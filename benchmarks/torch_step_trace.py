@@ -86,7 +86,7 @@ def _trace_steps():
     import numpy as np
     import torch
 
-    from keras_parallel.run import Run
+    from keras_parallel.run.run import Run
 
     model = _model()
     rows = np.random.default_rng(0)  # The same data on every rank.

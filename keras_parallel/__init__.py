@@ -14,7 +14,7 @@ from keras_parallel import keras_config
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Auto": "keras_parallel.auto",
+    "Auto": "keras_parallel.auto.auto",
     "ChiefWriteError": "keras_parallel.errors",
     "DataParallel": "keras_parallel.distribution",
     "DistributedModel": "keras_parallel.model",
@@ -84,11 +84,11 @@ def _join_cluster():
     keras_parallel code runs. torch joins when its first entry point starts
     its process group (`backends/torch/group.py`). The rules (the opt-out,
     child processes, errors, the exit of a failing process) are
-    `keras_parallel.cluster_join`'s.
+    `keras_parallel.cluster_environments.join`'s.
     """
     import keras
 
-    from keras_parallel import cluster_join
+    from keras_parallel.cluster_environments import join as cluster_join
 
     backend = keras.backend.backend()
     if backend == "tensorflow" and _importing_backend("tensorflow"):

@@ -2,12 +2,12 @@
 
 import keras
 
-from keras_parallel import callback_lists
-from keras_parallel.binding import Binding
-from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam import callback_lists
+from keras_parallel.keras_seam.keras_compat import print_msg
 from keras_parallel.keras_seam.model_state import state_of
 from keras_parallel.persistence import atomic
-from keras_parallel.run import Run
+from keras_parallel.run.binding import Binding
+from keras_parallel.run.run import Run
 
 _STEP_FUNCTIONS = ("train_function", "test_function", "predict_function")
 
@@ -103,7 +103,7 @@ class ShardingCallback(callback_lists.PhaseCallback):
         # Keras calls this callback's `on_*_end` before those of the callbacks
         # after it, the progress bar's among them: the run ends once the
         # whole callback list has ended it, in a callback placed last in the
-        # list Keras is making (`callback_lists.py`).
+        # list Keras is making (`keras_seam/callback_lists.py`).
         self._ends_last = False
         if self._remove_handler is not None:
             self._remove_handler()

@@ -1,7 +1,7 @@
 """`DataParallel()` over every local device, and `shard=` for both kinds.
 
 `DataParallel` and `ModelParallel` are Keras's classes with one more
-argument, `shard` (`keras_parallel.sharding`): what besides the batch is
+argument, `shard` (`keras_parallel.plan.sharding`): what besides the batch is
 split over the batch axis. Their `get_variable_layout` applies it, so a
 model built inside `distribution.scope()` is created sharded.
 """
@@ -10,9 +10,10 @@ import contextlib
 
 import keras
 
-from keras_parallel import keras_compat, layout_rules, logical_axes, sharding
 from keras_parallel.backends import executor_class
 from keras_parallel.errors import ShardingError
+from keras_parallel.keras_seam import keras_compat
+from keras_parallel.plan import layout_rules, logical_axes, sharding
 
 
 class _ShardedLayouts:
@@ -133,8 +134,8 @@ class ModelParallel(_ShardedLayouts, keras.distribution.ModelParallel):
     """`keras.distribution.ModelParallel`, with or without a written `LayoutMap`.
 
     `rules="auto"` derives every variable's layout from its layer (its
-    logical axes, `keras_parallel.logical_axes`, placed on mesh axes by
-    rules, `keras_parallel.layout_rules`): MLP pairs split as Megatron splits
+    logical axes, `keras_parallel.plan.logical_axes`, placed on mesh axes by
+    rules, `keras_parallel.plan.layout_rules`): MLP pairs split as Megatron splits
     them, attention by heads, embeddings by vocabulary. A `LayoutMap` key
     still wins over a rule. `shard="full"` also splits every large variable
     over the batch axis, on a dimension left free: a variable split over

@@ -5,10 +5,10 @@ import os
 import keras
 
 from keras_parallel.backends import executor_class
-from keras_parallel.binding import Binding
-from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam.keras_compat import print_msg
 from keras_parallel.keras_seam.model_state import binding_of, state_of
-from keras_parallel.run import Run
+from keras_parallel.run.binding import Binding
+from keras_parallel.run.run import Run
 
 _ENTRY_POINTS = (
     "fit",

@@ -2,8 +2,9 @@
 
 import os
 
-from keras_parallel import cluster_environments, sharding
+from keras_parallel import cluster_environments
 from keras_parallel.keras_seam.model_state import STATE_ATTRIBUTE
+from keras_parallel.plan import sharding
 
 
 def describe(model, distribution=None):
@@ -33,7 +34,7 @@ def describe(model, distribution=None):
     >>> print(keras_parallel.describe(model))
     """
     from keras_parallel.backends import resolve_plan_for
-    from keras_parallel.plan import check_distribution
+    from keras_parallel.plan.sharding_plan import check_distribution
 
     # A DistributedModel holds its binding; a ShardingCallback leaves its
     # own on the model it ran.

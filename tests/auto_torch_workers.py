@@ -152,7 +152,7 @@ def _auto_model(name):
     import split_probe
 
     import keras_parallel
-    from keras_parallel import auto_choice
+    from keras_parallel.auto import choice as auto_choice
     from keras_parallel.backends.torch.executor import TorchExecutor
 
     try:

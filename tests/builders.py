@@ -126,7 +126,7 @@ def sharding_ops(model, x, y):
     """The sharding constraints in the lowered JAX train step, as text lines."""
     import jax
 
-    from keras_parallel.run import Run
+    from keras_parallel.run.run import Run
 
     binding = binding_of(model)
     with Run(binding, model):

@@ -15,7 +15,8 @@ import split_probe
 from builders import max_relative_difference, weights_of
 
 import keras_parallel
-from keras_parallel import auto, auto_choice
+from keras_parallel.auto import auto
+from keras_parallel.auto import choice as auto_choice
 from keras_parallel.keras_seam.model_state import binding_of
 
 BACKEND = keras.backend.backend()

@@ -10,9 +10,9 @@ import pytest
 from builders import dense_model, regression_data, weights_of
 
 import keras_parallel
-from keras_parallel.binding import Binding
 from keras_parallel.errors import ShardingError
 from keras_parallel.keras_seam.model_state import binding_of
+from keras_parallel.run.binding import Binding
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):
@@ -174,7 +174,7 @@ def test_an_error_inside_fit_reaches_the_executor_scope_as_an_error(monkeypatch)
 
 @jax_only
 def test_a_plan_scope_that_fails_to_enter_leaves_nothing_installed(monkeypatch):
-    from keras_parallel.keras_compat import EpochIterator
+    from keras_parallel.keras_seam.keras_compat import EpochIterator
 
     x, y = regression_data(64)
     model = dense_model(Net)

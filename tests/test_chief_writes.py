@@ -15,7 +15,7 @@ import pytest
 
 from keras_parallel import ChiefWriteError
 from keras_parallel.backends.base import LocalStore
-from keras_parallel.chief_writes import Calls, ChiefWrites
+from keras_parallel.run.chief_writes import Calls, ChiefWrites
 
 
 @pytest.fixture

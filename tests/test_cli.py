@@ -292,7 +292,7 @@ def test_launch_started_by_a_joined_process_lets_its_processes_join(tmp_path):
     # A joined process's children inherit KERAS_PARALLEL_JOINED_PID and run
     # alone (cluster_join.may_join); a launcher started from one starts a
     # group of its own, whose processes must not inherit it.
-    from keras_parallel.cluster_join import JOINED_PID_VAR
+    from keras_parallel.cluster_environments.join import JOINED_PID_VAR
     from keras_parallel.launcher import supervisor
 
     seen = tmp_path / "env.txt"

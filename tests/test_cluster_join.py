@@ -1,4 +1,4 @@
-"""The rules of the join at `import keras` (`keras_parallel.cluster_join`).
+"""The rules of the join at `import keras` (`keras_parallel.cluster_environments.join`).
 
 No process is started and no runtime joined: the backend's join is
 replaced by a fake, so these run on every backend. The joins themselves
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from keras_parallel import cluster_join, keras_config
+from keras_parallel import keras_config
+from keras_parallel.cluster_environments import join as cluster_join
 from keras_parallel.errors import ClusterJoinError, UnsupportedKerasError
 
 SLURM = {

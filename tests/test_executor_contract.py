@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from keras_parallel import wire
 from keras_parallel.backends.base import Executor
+from keras_parallel.messages import wire
 
 
 class _Executor(Executor):

@@ -14,8 +14,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_parallel import keras_compat
 from keras_parallel.errors import UnsupportedKerasError
+from keras_parallel.keras_seam import keras_compat
 
 BACKEND = keras.backend.backend()
 
@@ -285,7 +285,7 @@ def test_a_model_run_inside_another_fit_keeps_the_outer_replacements():
 
 
 def test_replacements_restore_what_they_found_newest_first():
-    from keras_parallel.replacements import Replacements
+    from keras_parallel.keras_seam.replacements import Replacements
 
     trainer = keras_compat.EpochIterator
     own = vars(trainer).get("_enumerate_iterator")
@@ -318,7 +318,7 @@ def test_replacements_restore_what_they_found_newest_first():
 
 
 def test_an_unlisted_replacement_is_refused():
-    from keras_parallel.replacements import Replacements
+    from keras_parallel.keras_seam.replacements import Replacements
 
     replacements = Replacements()
     with pytest.raises(LookupError, match="without listing it"):
@@ -329,7 +329,7 @@ def test_an_unlisted_replacement_is_refused():
 def test_design_doc_lists_every_replaced_target():
     import pathlib
 
-    from keras_parallel.replacement_targets import markdown_rows
+    from keras_parallel.keras_seam.replacement_targets import markdown_rows
 
     design = pathlib.Path(__file__).parents[1] / "docs" / "design.md"
     rows = [line for line in design.read_text().splitlines() if line.startswith("|")]

@@ -4,9 +4,9 @@ import keras
 import pytest
 
 import keras_parallel
-from keras_parallel import layout_rules
 from keras_parallel.errors import ShardingError
-from keras_parallel.logical_axes import LogicalAxes
+from keras_parallel.plan import layout_rules
+from keras_parallel.plan.logical_axes import LogicalAxes
 
 SIZES = {"data": 2, "model": 4}
 AUTO = layout_rules.auto_rules(("data", "model"), "data")

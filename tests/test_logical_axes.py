@@ -4,7 +4,7 @@ import hub_models
 import keras
 import pytest
 
-from keras_parallel import logical_axes
+from keras_parallel.plan import logical_axes
 
 
 def names_of(model):

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_parallel import keras_compat
+from keras_parallel.keras_seam import keras_compat
 from keras_parallel.keras_seam.model_state import state_of
 from keras_parallel.keras_seam.overrides import (
     HeldOverride,
@@ -24,7 +24,7 @@ def test_step_listed(monkeypatch):
     """Lists a model's `test_step` as replaced (on every backend: torch's
     table lists it for its trainer), as every name an override puts on a
     model must be."""
-    from keras_parallel.replacement_targets import Target
+    from keras_parallel.keras_seam.replacement_targets import Target
 
     listed = Target(
         "keras.src.models.model.Model", "test_step", "tests", on_instances=True

@@ -10,7 +10,7 @@ import pytest
 from builders import dense_model
 
 from keras_parallel.errors import ShardingError, UnmatchedLayoutKeyWarning
-from keras_parallel.plan import resolve_plan
+from keras_parallel.plan.sharding_plan import resolve_plan
 
 DEVICES = [f"cpu:{i}" for i in range(8)]
 

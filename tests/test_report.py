@@ -5,7 +5,7 @@ import pytest
 from builders import dense_model
 
 import keras_parallel
-from keras_parallel.plan import resolve_plan
+from keras_parallel.plan.sharding_plan import resolve_plan
 from keras_parallel.report import format_plan
 
 DEVICES = [f"cpu:{i}" for i in range(8)]

@@ -1,6 +1,6 @@
 """`Run`: one object per entry point owns what is in force, and undoes it.
 
-Each test names one promise of `keras_parallel/run.py`: the plan applied
+Each test names one promise of `keras_parallel/run/run.py`: the plan applied
 before Keras makes its step (never from inside `make_*_function`), one run
 for an entry point with the ones nested in it, the parts left in reverse
 order with the error that unwinds, and both doors making the same run.
@@ -12,9 +12,9 @@ import pytest
 from builders import dense_model, regression_data
 
 import keras_parallel
-from keras_parallel import run as run_module
 from keras_parallel.keras_seam.model_state import binding_of
-from keras_parallel.run import Run
+from keras_parallel.run import run as run_module
+from keras_parallel.run.run import Run
 
 
 class Net(keras_parallel.DistributedModel, keras.Model):

@@ -1,12 +1,12 @@
-"""`keras_parallel.run_secret`: the secret every process of a run shares."""
+"""`keras_parallel.messages.run_secret`: the secret every process of a run shares."""
 
 import os
 
 import pytest
 from backend_neutral import once
 
-from keras_parallel import run_secret
-from keras_parallel.run_secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE
+from keras_parallel.messages import run_secret
+from keras_parallel.messages.run_secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE
 
 pytestmark = once
 

@@ -12,9 +12,9 @@ import pytest
 from builders import wide_mlp
 
 import keras_parallel
-from keras_parallel import sharding
 from keras_parallel.errors import ShardingError, ShardingWarning
-from keras_parallel.plan import resolve_plan
+from keras_parallel.plan import sharding
+from keras_parallel.plan.sharding_plan import resolve_plan
 
 DEVICES = [f"cpu:{i}" for i in range(8)]
 

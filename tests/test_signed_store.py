@@ -1,11 +1,11 @@
-"""`keras_parallel.signed_store`: the run's store, every value tagged."""
+"""`keras_parallel.messages.signed_store`: the run's store, every value tagged."""
 
 import pytest
 from backend_neutral import once
 
-from keras_parallel import signed_store
 from keras_parallel.backends.base import LocalStore
-from keras_parallel.signed_store import SignedStore, UntrustedValueError
+from keras_parallel.messages import signed_store
+from keras_parallel.messages.signed_store import SignedStore, UntrustedValueError
 
 pytestmark = once
 SECRET = b"the run's secret"

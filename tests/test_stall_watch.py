@@ -1,4 +1,4 @@
-"""The stall watch (`stall_watch.py`): a process that stops moving while the
+"""The stall watch (`run/stall_watch.py`): a process that stops moving while the
 others wait is named with its stack; every process alike slow is not.
 
 Processes are `StallWatch`es over one store here, on one fake clock, ticked
@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from keras_parallel import stall_positions, stall_settings, stall_watch
 from keras_parallel.backends.base import LocalStore
-from keras_parallel.stall_positions import decode_record
-from keras_parallel.stall_watch import STALLED_EXIT_CODE, StallWatch
+from keras_parallel.run import stall_positions, stall_settings, stall_watch
+from keras_parallel.run.stall_positions import decode_record
+from keras_parallel.run.stall_watch import STALLED_EXIT_CODE, StallWatch
 
 TIMEOUT = 30.0
 
@@ -148,7 +148,7 @@ def test_a_forged_value_is_refused_and_the_watch_goes_on(capsys):
     # (one that says process 0 stalled, which would end the waiting
     # processes before the stalled one's own report): refused and said, not
     # used, the watch goes on, and process 1's real stall is named.
-    from keras_parallel.signed_store import SignedStore
+    from keras_parallel.messages.signed_store import SignedStore
 
     store, clock, exits, watches = processes(3)
     for watch in watches:

@@ -132,7 +132,7 @@ def test_without_the_watcher_a_signalled_process_waits_for_ever(monkeypatch):
 def test_on_the_runs_heartbeat_it_looks_every_other_tick():
     # The stall watch publishes on the other ticks: one request a second
     # per process in all.
-    from keras_parallel.heartbeat import Heartbeat
+    from keras_parallel.run.heartbeat import Heartbeat
 
     store, reads, ticks = LocalStore(), [], []
     store.try_get = lambda key, get=store.try_get: reads.append(key) or get(key)
@@ -151,7 +151,7 @@ def test_a_forged_notice_is_refused_and_raised_in_the_training_thread():
     # Someone who reached the store writes a stop notice under the real key
     # without the run's secret: no process stops at an agreed step; each
     # fails at its next batch end, naming the key.
-    from keras_parallel.signed_store import SignedStore, UntrustedValueError
+    from keras_parallel.messages.signed_store import SignedStore, UntrustedValueError
 
     raw = LocalStore()
     raw.set("keras_parallel/stop/fit-1/notice", "0:SIGTERM")

@@ -240,7 +240,7 @@ def test_the_workers_store_refuses_a_key_already_holding_another_value(monkeypat
     from tensorflow.python.eager import context
 
     from keras_parallel.backends.tensorflow.workers import CoordinationStore
-    from keras_parallel.signed_store import KeyAlreadySetError
+    from keras_parallel.messages.signed_store import KeyAlreadySetError
 
     values = {}
 

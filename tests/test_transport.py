@@ -7,9 +7,9 @@ import pickle
 import numpy as np
 import pytest
 
-from keras_parallel import wire
 from keras_parallel.input import transport
-from keras_parallel.wire import WireFormatError
+from keras_parallel.messages import wire
+from keras_parallel.messages.wire import WireFormatError
 
 
 class Store:

@@ -1,4 +1,4 @@
-"""Values between processes as data (`keras_parallel.wire`)."""
+"""Values between processes as data (`keras_parallel.messages.wire`)."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from keras_parallel import wire
-from keras_parallel.wire import WireFormatError
+from keras_parallel.messages import wire
+from keras_parallel.messages.wire import WireFormatError
 
 
 def test_a_batch_and_the_host_random_state_come_back_equal():

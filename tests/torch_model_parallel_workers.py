@@ -383,7 +383,7 @@ def _d2_output_placements(model):
     from torch.distributed.tensor import DTensor, Shard
 
     from keras_parallel.backends.torch.step_metrics import StepRows
-    from keras_parallel.run import Run
+    from keras_parallel.run.run import Run
 
     binding = binding_of(model)
     steps = binding.executor._steps
@@ -399,7 +399,7 @@ def _d2_output_placements(model):
 def plan_table(kind, mesh):
     """The describe() table (variables and outputs) planned in one process."""
     keras = _keras()
-    from keras_parallel.plan import resolve_plan
+    from keras_parallel.plan.sharding_plan import resolve_plan
     from keras_parallel.report import format_plan
 
     x, y = data(kind, 64)

@@ -10,7 +10,7 @@ import importlib
 
 import numpy as np
 
-from keras_parallel.plan import resolve_plan
+from keras_parallel.plan.sharding_plan import resolve_plan
 
 _MODULES = {
     "jax": ("keras_parallel.backends.jax.executor", "JaxExecutor"),

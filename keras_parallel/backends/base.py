@@ -10,8 +10,8 @@ import abc
 import collections
 import contextlib
 
-from keras_parallel import wire
 from keras_parallel.backends.checkpoint_io import CheckpointIO
+from keras_parallel.messages import wire
 
 #: What `Executor.step_memory` returns: `peak`, the bytes one device holds
 #: at a train step's peak; `moved`, the bytes one device sends in the step's
@@ -105,7 +105,7 @@ class Executor(abc.ABC):
         return contextlib.nullcontext()
 
     # -------------------------------------------------------------- Auto
-    #: The `Auto` candidates this backend predicts (`keras_parallel.auto`):
+    #: The `Auto` candidates this backend predicts (`keras_parallel.auto.auto`):
     #: `"shard"` (`DataParallel(shard=...)`), `"model"` (`ModelParallel`
     #: with `rules="auto"`). Empty: `DataParallel()` is the one candidate.
     auto_candidate_kinds = ()
@@ -317,7 +317,7 @@ class Executor(abc.ABC):
         """Returns process `src`'s `value` on every process.
 
         Backends implement `broadcast_bytes`; the value travels around it as
-        data (`keras_parallel.wire`: arrays, numbers, strings and nests of
+        data (`keras_parallel.messages.wire`: arrays, numbers, strings and nests of
         them), never pickled.
         """
         if self.num_processes == 1:
@@ -360,7 +360,7 @@ class Executor(abc.ABC):
         others through the store), or None for one process."""
         if self.num_processes == 1:
             return None
-        from keras_parallel.chief_writes import ChiefWrites
+        from keras_parallel.run.chief_writes import ChiefWrites
 
         return ChiefWrites(self.key_value_store(), self.is_chief)
 

@@ -4,7 +4,7 @@ Every backend divides the input alike. A batch one process made (a
 generator's, a `PyDataset`'s) goes to the processes that need its rows, and
 a `DataLoader`'s shuffle starts from process 0's torch random state on
 every process. Here, once for every backend: the values travel in the wire
-format (`keras_parallel.wire`), decoded as numbers and never unpickled,
+format (`keras_parallel.messages.wire`), decoded as numbers and never unpickled,
 with the key and the sender named when a payload does not decode; the
 end of a source is one marker; the keys are named one way.
 
@@ -23,8 +23,9 @@ if transport.is_end(part):
 ```
 """
 
-from keras_parallel import stall_watch, wire
-from keras_parallel.stall_positions import EVERY_PROCESS
+from keras_parallel.messages import wire
+from keras_parallel.run import stall_watch
+from keras_parallel.run.stall_positions import EVERY_PROCESS
 
 #: What an owner hands out once its source ran out, or was abandoned.
 END = "keras_parallel: end of the epoch"

@@ -4,7 +4,7 @@ Keras chooses a model's training behaviour by its methods (`train_step`,
 `save`, `_symbolic_build`, ...); keras_parallel changes a few of them for as
 long as a behaviour is in force: a backend's steps while an entry point runs
 (`backends/torch/steps.py`), whole-file saving (`persistence/atomic.py`), a
-non-chief process's saving for the model's distributed life (`chief.py`).
+non-chief process's saving for the model's distributed life (`run/chief.py`).
 An `Overrides` object holds the methods; `override` puts them on the model
 itself, among its own attributes, where Python looks before the model's
 class. The class is never changed: `type(model) is model.__class__`, and what
@@ -17,7 +17,7 @@ model's own), as a subclass would through `super()`.
 """
 
 from keras_parallel.keras_seam.model_state import state_of
-from keras_parallel.replacements import target_of
+from keras_parallel.keras_seam.replacements import target_of
 
 
 class Overrides:

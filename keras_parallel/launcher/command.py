@@ -11,9 +11,11 @@ import signal
 import sys
 import tempfile
 
-from keras_parallel import keras_config, run_secret, stall_settings
+from keras_parallel import keras_config
 from keras_parallel.launcher import bootstrap, parent_death, supervisor
 from keras_parallel.launcher.checks import check_positive, check_script
+from keras_parallel.messages import run_secret
+from keras_parallel.run import stall_settings
 
 _USAGE = (
     "usage: keras-parallel launch [--backend B] [--nproc N] "

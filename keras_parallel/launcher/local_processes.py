@@ -75,7 +75,7 @@ def give_one_node_a_secret(args):
     """Puts a new run secret in this launcher's environment, which every
     process it starts inherits, for a launch of one node (several nodes'
     launchers cannot agree on one: the user gives it, `run_secret`)."""
-    from keras_parallel import run_secret
+    from keras_parallel.messages import run_secret
 
     if args.nnodes == 1:
         os.environ.update(run_secret.for_children())

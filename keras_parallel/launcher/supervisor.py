@@ -14,7 +14,7 @@ from keras_parallel.persistence.preemption_settings import (
     PREEMPTED_EXIT_CODE,
     grace_seconds,
 )
-from keras_parallel.stall_settings import STALLED_EXIT_CODE
+from keras_parallel.run.stall_settings import STALLED_EXIT_CODE
 
 #: Seconds the others get to stop by themselves after one failed. A JAX process
 #: waiting on a dead peer never does (seen: still waiting after 10 s).
@@ -87,7 +87,7 @@ def _process_env(env, attempt):
     """`env` for attempt `attempt`, without `KERAS_PARALLEL_JOINED_PID`: the
     processes must join each other, not run alone as a joined process's
     children (`cluster_join.may_join`)."""
-    from keras_parallel.cluster_join import JOINED_PID_VAR
+    from keras_parallel.cluster_environments.join import JOINED_PID_VAR
     from keras_parallel.launcher import parent_death
 
     env = {k: v for k, v in env.items() if k != JOINED_PID_VAR}

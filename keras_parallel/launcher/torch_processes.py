@@ -10,8 +10,8 @@ import sys
 import time
 import traceback
 
-from keras_parallel import run_secret
 from keras_parallel.launcher.ports import gloo_on_loopback, loopback_listener
+from keras_parallel.messages import run_secret
 
 #: Seconds the other ranks get to stop by themselves after one failed.
 FAILURE_GRACE_S = 30.0

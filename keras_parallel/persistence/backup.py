@@ -15,9 +15,9 @@ import weakref
 import numpy as np
 from keras import callbacks
 
-from keras_parallel.keras_compat import EpochIterator
+from keras_parallel.keras_seam.keras_compat import EpochIterator
+from keras_parallel.keras_seam.replacements import Replacements
 from keras_parallel.persistence import atomic, backup_checks
-from keras_parallel.replacements import Replacements
 
 #: The key of keras_parallel's part of `training_metadata.json`.
 METADATA_KEY = "keras_parallel"

@@ -16,6 +16,7 @@ import time
 from keras import callbacks
 from keras.callbacks import CallbackList
 
+from keras_parallel.keras_seam.replacements import Replacements
 from keras_parallel.persistence import signal_actions
 from keras_parallel.persistence.backup import progress_of as backup_progress
 from keras_parallel.persistence.preemption_settings import (
@@ -24,7 +25,6 @@ from keras_parallel.persistence.preemption_settings import (
     preemption_signals,
 )
 from keras_parallel.persistence.stop_agreement import StopAgreement
-from keras_parallel.replacements import Replacements
 
 
 class Preempted(SystemExit):

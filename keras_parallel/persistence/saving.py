@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from keras_parallel.replacements import replaced
+from keras_parallel.keras_seam.replacements import replaced
 
 #: The file in the model's assets that describes its distribution.
 DISTRIBUTION_ASSET = "keras_parallel_distribution.json"
@@ -23,7 +23,7 @@ DISTRIBUTION_FORMAT = 1
 
 
 def _serialization_lib():
-    from keras_parallel.keras_compat import serialization_lib
+    from keras_parallel.keras_seam.keras_compat import serialization_lib
 
     return serialization_lib
 
@@ -32,7 +32,7 @@ def _keras_classes():
     """Keras's classes a DistributedModel may be saved as, most derived first."""
     import keras
 
-    from keras_parallel.keras_compat import Functional
+    from keras_parallel.keras_seam.keras_compat import Functional
 
     return (keras.Sequential, Functional)
 
@@ -298,7 +298,7 @@ def saved_binding(model, dir_path, binding_class):
     Args:
         model: the loaded `DistributedModel`.
         dir_path: its assets folder, as Keras gives it.
-        binding_class: `keras_parallel.binding.Binding` (given by the model:
+        binding_class: `keras_parallel.run.binding.Binding` (given by the model:
             saving sits below the binding in the package's layers).
 
     Returns:

@@ -12,8 +12,8 @@ import time
 
 # The one-process store is the executor's (`Executor.key_value_store`).
 from keras_parallel.backends.base import LocalStore  # noqa: F401
-from keras_parallel.heartbeat import TICK_S, Heartbeat
-from keras_parallel.signed_store import KeyAlreadySetError, UntrustedValueError
+from keras_parallel.messages.signed_store import KeyAlreadySetError, UntrustedValueError
+from keras_parallel.run.heartbeat import TICK_S, Heartbeat
 
 #: Seconds between two looks for a notice: the run's heartbeat, every other
 #: tick of it where the stall watch shares it, one request a second per

@@ -11,11 +11,11 @@ import itertools
 import jax
 import numpy as np
 
-from keras_parallel import signed_store, wire
 from keras_parallel.backends.jax import processes
 from keras_parallel.backends.jax.keras_compat import data_adapter_utils, tree
 from keras_parallel.input import kinds, rank_loader, tf_data_rows, transport
-from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam.keras_compat import print_msg
+from keras_parallel.messages import signed_store, wire
 
 #: A generator run's number, the same on every process: its keys' prefix.
 _runs = itertools.count()

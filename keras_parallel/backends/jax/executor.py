@@ -16,7 +16,6 @@ import jax
 import keras
 from keras.distribution import TensorLayout
 
-from keras_parallel import signed_store, stall_watch
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.jax import batches, processes
 from keras_parallel.backends.jax.checkpoint_io import (
@@ -33,14 +32,16 @@ from keras_parallel.backends.jax.planned_distribution import (
     PlannedDistribution,
     distribute_committed,
 )
-from keras_parallel.chief import (
+from keras_parallel.keras_seam.replacements import Replacements
+from keras_parallel.messages import signed_store
+from keras_parallel.plan.sharding_plan import iter_planned_variables
+from keras_parallel.run import stall_watch
+from keras_parallel.run.chief import (
     ChiefOnlyCallbacks,
     ChiefWritesInFit,
     process_saving,
 )
-from keras_parallel.plan import iter_planned_variables
-from keras_parallel.replacements import Replacements
-from keras_parallel.stall_positions import EVERY_PROCESS
+from keras_parallel.run.stall_positions import EVERY_PROCESS
 
 
 class JaxExecutor(Executor):

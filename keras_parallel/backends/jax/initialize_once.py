@@ -6,7 +6,7 @@ for good by one that accepts a call agreeing with the running runtime.
 """
 
 from keras_parallel.backends.jax.keras_compat import distribution_lib
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 # Never restored: the runtime lasts as long as the process.
 _kept = Replacements()

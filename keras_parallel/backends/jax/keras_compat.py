@@ -1,12 +1,12 @@
 """The Keras internals the JAX backend reads or patches, in one place.
 
-Checked as `keras_parallel.keras_compat` says, against Keras 3.15.0, 3.15.1
+Checked as `keras_parallel.keras_seam.keras_compat` says, against Keras 3.15.0, 3.15.1
 and keras-nightly 3.16.0.dev2026102704 (3.10 has no `trainer.jit`; 3.11
 records the variables' shardings before keras_parallel lays them out).
 """
 
-from keras_parallel.keras_compat import find, internal, internal_any
-from keras_parallel.replacement_targets import Target
+from keras_parallel.keras_seam.keras_compat import find, internal, internal_any
+from keras_parallel.keras_seam.replacement_targets import Target
 
 #: `jit` compiles Keras's step (`batches.jit_splitting_batches`).
 trainer = internal("keras.src.backend.jax.trainer", "jit")
@@ -53,7 +53,7 @@ numpy_conversion = (
 )
 find(numpy_conversion, "convert_to_numpy", "keras.src.backend(.ops)")
 
-#: What the JAX backend replaces, through `keras_parallel.replacements`.
+#: What the JAX backend replaces, through `keras_parallel.keras_seam.replacements`.
 REPLACED = (
     Target(
         "keras.src.backend.jax.distribution_lib",

@@ -4,7 +4,7 @@ import jax
 from keras.distribution import TensorLayout
 
 from keras_parallel.backends.jax import processes
-from keras_parallel.keras_compat import Distribution
+from keras_parallel.keras_seam.keras_compat import Distribution
 
 
 def distribute_committed(tensor, layout, previous):

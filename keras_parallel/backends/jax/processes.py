@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_parallel import wire
 from keras_parallel.backends.jax import keras_compat
-from keras_parallel.replacements import replaced
+from keras_parallel.keras_seam.replacements import replaced
+from keras_parallel.messages import wire
 
 
 def is_multi_process():

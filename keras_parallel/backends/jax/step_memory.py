@@ -4,7 +4,7 @@ XLA compiles Keras's own train step for the plan's layouts and the global
 batch, from shapes alone (no array is made or moved), and reports the memory
 one device's part of the step needs (`memory_analysis`: arguments, outputs,
 temporaries; on CPU too). The collectives in the compiled step say what it
-moves. `keras_parallel.auto` compares the candidates by these.
+moves. `keras_parallel.auto.auto` compares the candidates by these.
 """
 
 import contextlib
@@ -17,7 +17,7 @@ from keras.distribution import TensorLayout
 
 from keras_parallel.backends.base import StepMemory
 from keras_parallel.backends.jax.planned_distribution import PlannedDistribution
-from keras_parallel.plan import iter_planned_variables
+from keras_parallel.plan.sharding_plan import iter_planned_variables
 
 _COLLECTIVES = (
     "all-reduce",

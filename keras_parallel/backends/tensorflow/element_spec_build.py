@@ -7,7 +7,7 @@ from keras_parallel.backends.tensorflow import variables as tf_variables
 from keras_parallel.backends.tensorflow import workers as tf_workers
 from keras_parallel.backends.tensorflow.keras_compat import DATA_ADAPTERS, tree
 from keras_parallel.backends.tensorflow.strategies import ExactRun
-from keras_parallel.building import build_from_inputs, is_built
+from keras_parallel.keras_seam.building import build_from_inputs, is_built
 
 
 def built_from_element_spec(keras_maybe_symbolic_build):

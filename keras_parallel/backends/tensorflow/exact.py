@@ -35,7 +35,7 @@ from keras_parallel.backends.tensorflow.summed_gradients import (
     no_merge_call_on_summed,
     summed_once,
 )
-from keras_parallel.replacements import replaced
+from keras_parallel.keras_seam.replacements import replaced
 
 
 def exact_scale_loss(keras_scale):

@@ -13,7 +13,6 @@ import numpy as np
 import tensorflow as tf
 from keras.distribution import DataParallel
 
-from keras_parallel import signed_store
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
@@ -28,13 +27,14 @@ from keras_parallel.backends.tensorflow.keras_compat import (
     DATA_ADAPTERS,
     ArrayDataAdapter,
 )
-from keras_parallel.chief import (
+from keras_parallel.errors import ShardingError
+from keras_parallel.keras_seam.replacements import replaced
+from keras_parallel.messages import signed_store
+from keras_parallel.run.chief import (
     ChiefOnlyCallbacks,
     ChiefWritesInFit,
     process_saving,
 )
-from keras_parallel.errors import ShardingError
-from keras_parallel.replacements import replaced
 
 
 class TensorFlowExecutor(Executor):

@@ -1,6 +1,6 @@
 """The Keras internals the TensorFlow backend reads or patches, in one place.
 
-Checked as `keras_parallel.keras_compat` says, against Keras 3.15.0, 3.15.1
+Checked as `keras_parallel.keras_seam.keras_compat` says, against Keras 3.15.0, 3.15.1
 and keras-nightly 3.16.0.dev2026102704.
 """
 
@@ -10,8 +10,8 @@ from tensorflow.python.distribute import (
     mirrored_strategy,
 )
 
-from keras_parallel.keras_compat import find, internal, internal_any
-from keras_parallel.replacement_targets import Target
+from keras_parallel.keras_seam.keras_compat import find, internal, internal_any
+from keras_parallel.keras_seam.replacement_targets import Target
 
 #: Keras's TensorFlow trainer (`exact.patched`).
 trainer = internal(
@@ -79,7 +79,7 @@ CollectiveReplicaLauncher = cross_device_utils.CollectiveReplicaLauncher
 #: Keras's saving, whose reference objects `saving_references.py` makes early.
 saving_lib = internal("keras.src.saving.saving_lib", "get_attr_skipset")
 
-#: What the TensorFlow backend replaces, through `keras_parallel.replacements`.
+#: What the TensorFlow backend replaces, through `keras_parallel.keras_seam.replacements`.
 REPLACED = (
     Target(
         "keras.src.saving.saving_lib",

@@ -6,7 +6,7 @@ A save from a callback during `fit` runs on worker 0 alone, inside the scope.
 import contextlib
 
 from keras_parallel.backends.tensorflow.keras_compat import saving_lib
-from keras_parallel.replacements import replaced
+from keras_parallel.keras_seam.replacements import replaced
 
 #: The kinds of objects Keras's saving builds a reference object of.
 _SAVED_KINDS = (

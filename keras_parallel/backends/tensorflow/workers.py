@@ -16,9 +16,9 @@ from keras_parallel.backends.tensorflow import DEVICES_ENV, strategies
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.cluster_environments import join_deadline, tf_config
 from keras_parallel.input import kinds
-from keras_parallel.keras_compat import print_msg
-from keras_parallel.replacements import replaced
-from keras_parallel.signed_store import KeyAlreadySetError
+from keras_parallel.keras_seam.keras_compat import print_msg
+from keras_parallel.keras_seam.replacements import replaced
+from keras_parallel.messages.signed_store import KeyAlreadySetError
 
 _strategy = None
 

@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 from keras_parallel.backends.torch.flat_buffers import mean_flat
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 
 def accumulation_steps(optimizer):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.keras_compat import TorchVariable
-from keras_parallel.replacements import replaced
+from keras_parallel.keras_seam.replacements import replaced
 
 
 def split_axes(distribution, variable):

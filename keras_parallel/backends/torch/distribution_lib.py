@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from keras_parallel.backends.torch.keras_compat import get_device, keras_distribution
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 # Never restored, as a Keras that has these functions keeps its own.
 _provided = Replacements()

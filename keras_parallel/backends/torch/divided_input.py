@@ -11,7 +11,7 @@ import weakref
 from keras_parallel.backends.torch import shared_batches
 from keras_parallel.backends.torch.batches import split_rows
 from keras_parallel.input import kinds, rank_loader, tf_data_rows
-from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam.keras_compat import print_msg
 
 
 class DividedInput:

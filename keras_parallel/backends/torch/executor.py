@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from keras.distribution import DataParallel
 
-from keras_parallel import signed_store
 from keras_parallel.backends.base import Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
@@ -31,13 +30,14 @@ from keras_parallel.backends.torch.model_parallel import MeshRunner, runs_on_mes
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.backends.torch.steps import RankSteps
 from keras_parallel.backends.torch.sync_bn import SyncBatchNorm
-from keras_parallel.chief import (
+from keras_parallel.errors import ShardingError
+from keras_parallel.keras_seam.model_state import state_of
+from keras_parallel.messages import signed_store
+from keras_parallel.run.chief import (
     ChiefOnlyCallbacks,
     ChiefWritesInFit,
     process_saving,
 )
-from keras_parallel.errors import ShardingError
-from keras_parallel.keras_seam.model_state import state_of
 
 # Done when Keras is imported (`keras_parallel/__init__.py`), unless this
 # backend's own import is what imported Keras: then here.

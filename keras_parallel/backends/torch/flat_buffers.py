@@ -7,8 +7,8 @@ the process group's device: NCCL takes CUDA tensors only.
 import torch
 import torch.distributed as dist
 
-from keras_parallel import wire
 from keras_parallel.backends.torch import group as torch_group
+from keras_parallel.messages import wire
 
 
 def on_group_device(tensor):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from keras_parallel.backends.torch.flat_buffers import on_group_device
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 
 class GradientMean:

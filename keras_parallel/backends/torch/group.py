@@ -15,9 +15,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from keras_parallel import cluster_environments, run_secret, signed_store
+from keras_parallel import cluster_environments
 from keras_parallel.cluster_environments import join_deadline
 from keras_parallel.cluster_environments.base import host_port
+from keras_parallel.messages import run_secret, signed_store
 
 #: Where a failing rank leaves its name and error in the group's store.
 FAILURE_KEY = "keras_parallel/failed"

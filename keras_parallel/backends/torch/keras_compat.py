@@ -1,11 +1,11 @@
 """The Keras internals the torch backend reads or patches, in one place.
 
-See `keras_parallel.keras_compat` for why and how these are checked.
+See `keras_parallel.keras_seam.keras_compat` for why and how these are checked.
 Checked against Keras 3.15.0, 3.15.1 and keras-nightly 3.16.0.dev2026102704.
 """
 
-from keras_parallel.keras_compat import find, internal, internal_any
-from keras_parallel.replacement_targets import Target
+from keras_parallel.keras_seam.keras_compat import find, internal, internal_any
+from keras_parallel.keras_seam.replacement_targets import Target
 
 #: Keras 3.16's torch `Trainer` (3.15's is `TorchTrainer`), which wraps the model
 #: in its own DDP and sums metric states over ranks; `None` before 3.16.
@@ -155,7 +155,7 @@ TRAINER_STEP_NAMES = (
 )
 
 #: What the torch backend replaces while an entry point runs, through
-#: `keras_parallel.replacements`.
+#: `keras_parallel.keras_seam.replacements`.
 REPLACED = (
     Target(
         "keras.src.models.model.Model",

@@ -32,7 +32,7 @@ from keras_parallel.backends.torch.output_constraints import (
 from keras_parallel.backends.torch.step_metrics import StepRows
 from keras_parallel.backends.torch.steps import RankSteps
 from keras_parallel.backends.torch.trainer import MeshTrainer
-from keras_parallel.replacements import replaced
+from keras_parallel.keras_seam.replacements import replaced
 
 
 class MeshSteps(RankSteps):

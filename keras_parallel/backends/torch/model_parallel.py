@@ -11,16 +11,16 @@ from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.mesh_steps import MeshSteps
 from keras_parallel.backends.torch.step_logs import StepLogPolicy
-from keras_parallel.chief import (
+from keras_parallel.keras_seam.overrides import Overrides, override
+from keras_parallel.keras_seam.replacements import Replacements
+from keras_parallel.plan.layout_keys import reference_of
+from keras_parallel.plan.sharding_plan import iter_planned_variables
+from keras_parallel.run.chief import (
     ChiefOnlyCallbacks,
     ChiefWritesInFit,
     chief_only_saving,
     chief_saving,
 )
-from keras_parallel.keras_seam.overrides import Overrides, override
-from keras_parallel.layout_keys import reference_of
-from keras_parallel.plan import iter_planned_variables
-from keras_parallel.replacements import Replacements
 
 
 def runs_on_mesh(distribution):
@@ -32,7 +32,7 @@ def runs_on_mesh(distribution):
     Returns:
         True if its mesh splits a variable (`splits_model`) or it asks to
         shard variables or optimizer state over a batch axis of more than
-        one device (`shard=`, `keras_parallel.sharding`), even on a 1-D
+        one device (`shard=`, `keras_parallel.plan.sharding`), even on a 1-D
         mesh: DDP keeps whole copies of both on every rank. One device
         splits nothing: plain Keras, as without `shard`.
     """

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch.keras_compat import tree
 from keras_parallel.errors import ShardingError
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 
 class OutputConstraints:

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from keras import callbacks as keras_callbacks
 
-from keras_parallel import callback_lists
 from keras_parallel.backends.torch.keras_compat import is_default
+from keras_parallel.keras_seam import callback_lists
 
 _STEP_HOOKS = ("on_batch_end", "on_train_batch_end", "on_test_batch_end")
 
-# Removed on ranks other than 0 (`keras_parallel.chief`): judged by class,
+# Removed on ranks other than 0 (`keras_parallel.run.chief`): judged by class,
 # never by their hooks.
 _RANK_ZERO_WRITERS = (
     keras_callbacks.ModelCheckpoint,

@@ -29,7 +29,7 @@ from keras_parallel.backends.torch.step_metrics import NO_ROWS, StepMetrics, Ste
 from keras_parallel.backends.torch.trainer import TorchTrainer
 from keras_parallel.backends.torch.update_weights import weighted_per_step_updates
 from keras_parallel.keras_seam.overrides import override
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 
 class RankSteps:

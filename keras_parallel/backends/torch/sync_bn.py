@@ -10,7 +10,7 @@ import torch
 import torch.distributed.nn.functional as dist_fn
 from keras import layers
 
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 
 def batchnorm_layers(model):

@@ -9,7 +9,7 @@ import contextlib
 
 from keras import metrics as keras_metrics
 
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 
 @contextlib.contextmanager

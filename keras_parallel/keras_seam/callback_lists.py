@@ -9,7 +9,7 @@ import weakref
 
 from keras.callbacks import Callback, CallbackList
 
-from keras_parallel.replacements import Replacements
+from keras_parallel.keras_seam.replacements import Replacements
 
 _handlers = []
 _replacements = Replacements()

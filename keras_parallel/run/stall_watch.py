@@ -5,7 +5,7 @@ epoch's and batch's begin and end, as Keras's callback list calls them (the
 data of a training batch is drawn before its `on_train_batch_begin`, so a
 process stuck in its data loader has not begun the batch the others are
 in). It publishes that position to the run's key-value store at the
-heartbeat's tick (`heartbeat.py`): no collective, about one request a
+heartbeat's tick (`run/heartbeat.py`): no collective, about one request a
 second per process, shared with the preemption's stop agreement.
 
 A process whose position has not moved for the stall timeout reads every
@@ -37,16 +37,16 @@ import time
 
 from keras.callbacks import CallbackList
 
-from keras_parallel.replacements import Replacements
-from keras_parallel.signed_store import KeyAlreadySetError, UntrustedValueError
-from keras_parallel.stall_positions import (
+from keras_parallel.keras_seam.replacements import Replacements
+from keras_parallel.messages.signed_store import KeyAlreadySetError, UntrustedValueError
+from keras_parallel.run.stall_positions import (
     decode_record,
     main_thread_waits_in,
     stall_report,
     stalled_processes,
     thread_stacks,
 )
-from keras_parallel.stall_settings import (
+from keras_parallel.run.stall_settings import (
     LAUNCHED_VARIABLE,
     STALLED_EXIT_CODE,
     stall_timeout,

@@ -172,6 +172,6 @@ class SignedStore:
 def for_run(store, sender):
     """`store`, its values tagged with this process's run secret
     (`run_secret.run_secret`)."""
-    from keras_parallel import run_secret
+    from keras_parallel.messages import run_secret
 
     return SignedStore(store, run_secret.run_secret(), sender)

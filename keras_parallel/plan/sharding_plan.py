@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from keras_parallel import layout_keys, layout_rules, sharding
 from keras_parallel.errors import ShardingError
+from keras_parallel.plan import layout_keys, layout_rules, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class ShardingPlan:
             variable, in that order.
         output_keys: the `LayoutMap` output keys with their axes, for an
             output path met only at call time.
-        shard: `None`, `"full"` or `"optimizer"` (`keras_parallel.sharding`).
+        shard: `None`, `"full"` or `"optimizer"` (`keras_parallel.plan.sharding`).
     """
 
     mesh_shape: tuple
@@ -115,7 +115,7 @@ class ShardingPlan:
 
 def check_distribution(distribution, argument="distribution"):
     """Refuses anything but a `keras.distribution.Distribution` (`ShardingError`)."""
-    from keras_parallel.keras_compat import Distribution
+    from keras_parallel.keras_seam.keras_compat import Distribution
 
     if not isinstance(distribution, Distribution):
         raise ShardingError(

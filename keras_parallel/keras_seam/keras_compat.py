@@ -8,7 +8,7 @@ between releases. Other modules get them only from here or from
 import importlib
 
 from keras_parallel.errors import UnsupportedKerasError
-from keras_parallel.replacement_targets import Target
+from keras_parallel.keras_seam.replacement_targets import Target
 
 #: The Keras releases keras_parallel supports (as in `pyproject.toml`).
 SUPPORTED_KERAS = ">=3.15"
@@ -170,9 +170,9 @@ REPLACED = (
         "`persistence/stop_agreement.py`), and the stop there with a backup "
         "(`persistence/preemption.py`); every epoch's and batch's begin and "
         "end counted, this process's position for the stall watch "
-        "(`stall_watch.py`); each run's list, once made, edited: "
-        "writers out on processes other than 0 (`chief.py`), keras_parallel's "
-        "own callbacks in (`callback_lists.py`)",
+        "(`run/stall_watch.py`); each run's list, once made, edited: "
+        "writers out on processes other than 0 (`run/chief.py`), keras_parallel's "
+        "own callbacks in (`keras_seam/callback_lists.py`)",
     ),
     Target(
         "keras.src.trainers.epoch_iterator.EpochIterator",
@@ -192,10 +192,10 @@ REPLACED = (
         "methods put on the model itself while a part is in force "
         "(`keras_seam/overrides.py`; its class is never changed): `save` and "
         "`save_weights` writing whole files (`persistence/atomic.py`), "
-        "nothing on processes other than 0 (`chief.py`), the split variables "
+        "nothing on processes other than 0 (`run/chief.py`), the split variables "
         "gathered first under torch ModelParallel "
         "(`backends/torch/model_parallel.py`); the batch Keras builds the "
-        "model from seen, for `Auto` (`first_batch.py`)",
+        "model from seen, for `Auto` (`keras_seam/first_batch.py`)",
         on_instances=True,
     ),
 )
@@ -205,7 +205,7 @@ OBJECT_ATTRIBUTES = {
     # Model._flatten_layers walks nested layers (TF executor, sync BN);
     # _symbolic_build builds a model from a batch: called first for the
     # `*_on_batch` calls (`Executor.build_from_batch`), and overridden to see
-    # the batch Auto chooses for (`first_batch.py`).
+    # the batch Auto chooses for (`keras_seam/first_batch.py`).
     "keras.Model": ("_flatten_layers", "_symbolic_build"),
     # The LayoutMap of a ModelParallel (plan, executors' checks, saving).
     "keras.distribution.ModelParallel": ("_layout_map",),
@@ -238,7 +238,7 @@ OTHER_PRIVATE_NAMES = {
     # A process that must end without running `atexit` (a failed rank).
     "os": ("_exit",),
     # The caller's frame (torch's `same_data`: who started an epoch); every
-    # thread's stack (a stalled process's report: `stall_watch.py`).
+    # thread's stack (a stalled process's report: `run/stall_watch.py`).
     "sys": ("_getframe", "_current_frames"),
     # Whether a module is still being imported (`keras_parallel/__init__`).
     "module.__spec__": ("_initializing",),

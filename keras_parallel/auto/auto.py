@@ -17,7 +17,7 @@ The prediction is the backend's (`Executor.step_memory`): on JAX, the
 compiled train step's own memory analysis (XLA's, on CPU too) for the global
 batch, with the variables, gradients and optimizer slots laid out as the
 candidate's plan says, and the bytes its collectives move per step. The
-candidates and the choice among them are `auto_choice.py`'s; this module is
+candidates and the choice among them are `auto/choice.py`'s; this module is
 what the user gives: `Auto`, its budget and sizes.
 """
 

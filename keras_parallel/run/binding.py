@@ -4,12 +4,14 @@
 hold a `Binding`, so neither door holds logic the other lacks.
 """
 
-from keras_parallel import auto, auto_choice, report
+from keras_parallel import report
+from keras_parallel.auto import auto
+from keras_parallel.auto import choice as auto_choice
 from keras_parallel.backends import executor_class, resolve_plan_for
-from keras_parallel.building import build_from_inputs, is_built
-from keras_parallel.keras_compat import print_msg
+from keras_parallel.keras_seam.building import build_from_inputs, is_built
+from keras_parallel.keras_seam.keras_compat import print_msg
 from keras_parallel.keras_seam.overrides import HeldOverride
-from keras_parallel.plan import check_distribution, variables_signature
+from keras_parallel.plan.sharding_plan import check_distribution, variables_signature
 
 
 class Binding:

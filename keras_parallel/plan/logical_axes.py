@@ -308,7 +308,7 @@ def _with_known_sizes(inputs):
 def _call_order(model, layers):
     """`[(layer, its input)]` in the order a symbolic pass calls them, or
     `None` where the model has no symbolic inputs or cannot be traced."""
-    from keras_parallel.keras_compat import compute_output_spec
+    from keras_parallel.keras_seam.keras_compat import compute_output_spec
 
     inputs = _symbolic_inputs(model)
     if inputs is None:

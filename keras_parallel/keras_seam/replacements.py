@@ -8,8 +8,8 @@ newest first (docs/design.md).
 import contextlib
 import types
 
-from keras_parallel import keras_compat
-from keras_parallel.replacement_targets import Target
+from keras_parallel.keras_seam import keras_compat
+from keras_parallel.keras_seam.replacement_targets import Target
 
 __all__ = ["Replacements", "Target", "replaced", "target_of"]
 
@@ -43,7 +43,7 @@ def target_of(owner, name):
     raise LookupError(
         f"keras_parallel replaces {what!r}.{name} without listing it. "
         f"Received: owner={what!r}, name={name!r}; add a Target to REPLACED in "
-        "keras_parallel/keras_compat.py or the backend's keras_compat.py."
+        "keras_parallel/keras_seam/keras_compat.py or the backend's keras_compat.py."
     )
 
 

@@ -9,7 +9,7 @@ writes in a call is in place when the call returns on any rank
 
 from keras import callbacks
 
-from keras_parallel import callback_lists
+from keras_parallel.keras_seam import callback_lists
 from keras_parallel.keras_seam.overrides import Overrides, override
 
 

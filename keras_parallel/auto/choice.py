@@ -1,5 +1,5 @@
 """Which candidate `Auto` chooses: the candidates in order, each predicted,
-the first that fits (`keras_parallel.auto` is what the user gives).
+the first that fits (`keras_parallel.auto.auto` is what the user gives).
 """
 
 import dataclasses
@@ -328,7 +328,7 @@ def _nothing_fits(model, predicted, budget):
 def _variable_bytes(variable):
     import numpy as np
 
-    from keras_parallel.plan import _dtype_name, _numpy_dtype
+    from keras_parallel.plan.sharding_plan import _dtype_name, _numpy_dtype
 
     count = int(np.prod(variable.shape)) if len(variable.shape) else 1
     return count * np.dtype(_numpy_dtype(_dtype_name(variable))).itemsize

@@ -1,7 +1,7 @@
 """A stall read from every process's position, and its report.
 
 A position is what one process published to the run's store
-(`stall_watch.py`): JSON of a bounded length, decoded as data. From every
+(`run/stall_watch.py`): JSON of a bounded length, decoded as data. From every
 process's position, `stalled_processes` says which stalled; `stall_report`
 is the text the stalled process prints. No Keras here.
 """
@@ -12,7 +12,7 @@ import sys
 import threading
 import traceback
 
-from keras_parallel.stall_settings import STALL_TIMEOUT_VARIABLE, STALLED_EXIT_CODE
+from keras_parallel.run.stall_settings import STALL_TIMEOUT_VARIABLE, STALLED_EXIT_CODE
 
 #: A published record longer than this is refused (it comes from another
 #: process over the network: data, decoded as JSON, bounded).

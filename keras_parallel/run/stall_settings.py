@@ -1,5 +1,5 @@
 """The stall watch's settings, read without importing Keras (the launcher
-reads them too): `stall_watch.py` is the watch.
+reads them too): `run/stall_watch.py` is the watch.
 """
 
 import os

@@ -7,8 +7,8 @@ variable uses it; a dimension no rule fits stays whole (as in MaxText).
 
 import warnings
 
-from keras_parallel import logical_axes
 from keras_parallel.errors import ShardingError
+from keras_parallel.plan import logical_axes
 
 AUTO = "auto"
 

@@ -31,11 +31,11 @@ evaluation inside `fit`) runs in the outer run: the doors make no second one.
 
 import contextlib
 
-from keras_parallel import callback_lists, first_batch
-from keras_parallel.heartbeat import Heartbeat
+from keras_parallel.keras_seam import callback_lists, first_batch
 from keras_parallel.persistence.backup import ExactBackups
 from keras_parallel.persistence.preemption import PreemptionWatch
-from keras_parallel.stall_watch import StallWatchPart
+from keras_parallel.run.heartbeat import Heartbeat
+from keras_parallel.run.stall_watch import StallWatchPart
 
 
 class Run:
