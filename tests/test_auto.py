@@ -78,6 +78,7 @@ def test_a_headroom_outside_zero_to_one_is_refused(bad):
 
 
 def test_auto_is_refused_where_a_backend_predicts_no_step():
+    from keras_parallel.backends import executor_class
     from keras_parallel.backends.base import Executor
 
     class Silent(Executor):
@@ -85,6 +86,8 @@ def test_auto_is_refused_where_a_backend_predicts_no_step():
 
     with pytest.raises(keras_parallel.ShardingError, match="on the silent backend"):
         auto.check_backend(Silent)
+    # Every backend keras_parallel runs on declares what it does for Auto.
+    auto.check_backend(executor_class())
 
 
 def test_the_string_auto_is_auto_and_describe_waits_for_the_first_fit():

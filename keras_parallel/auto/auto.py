@@ -153,9 +153,7 @@ def check_backend(executor_class):
     Raises:
         ShardingError: naming the backend and what to pass instead.
     """
-    from keras_parallel.backends.base import Executor
-
-    if executor_class.step_memory.__func__ is Executor.step_memory.__func__:
+    if executor_class.auto_support is None:
         raise ShardingError(
             "Auto chooses a distribution from the memory a step will take, "
             "which keras_parallel does not predict on this backend. Received: "

@@ -106,14 +106,14 @@ def candidates(executor_class, devices):
 
     Args:
         executor_class: the backend's executor class
-            (`Executor.auto_candidate_kinds` limits which kinds it runs).
+            (its `auto_support.candidate_kinds` limits which kinds it runs).
         devices: the device names every candidate spans.
     """
     import keras
 
     from keras_parallel.distribution import DataParallel, ModelParallel
 
-    kinds = executor_class.auto_candidate_kinds
+    kinds = executor_class.auto_support.candidate_kinds
     out = [("DataParallel()", DataParallel(devices=devices))]
     if "shard" in kinds:
         out += [

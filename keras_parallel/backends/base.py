@@ -19,6 +19,31 @@ from keras_parallel.messages import wire
 StepMemory = collections.namedtuple("StepMemory", "peak moved note", defaults=(None,))
 
 
+class AutoSupport:
+    """What a backend does for `Auto`: its one declaration (`Executor.auto_support`).
+
+    Args:
+        candidate_kinds: the candidates it predicts beyond `DataParallel()`:
+            `"shard"` (`DataParallel(shard=...)`), `"model"`
+            (`ModelParallel` with `rules="auto"`). Empty: `DataParallel()`
+            is the one candidate.
+        needs_batch: whether its `step_memory` needs the batch (the choice
+            waits for the batch Keras builds the model from), or only the
+            model and optimizer.
+
+    Example:
+
+    ```python
+    class JaxExecutor(Executor):
+        auto_support = AutoSupport(candidate_kinds=("shard", "model"))
+    ```
+    """
+
+    def __init__(self, candidate_kinds=(), needs_batch=True):
+        self.candidate_kinds = tuple(candidate_kinds)
+        self.needs_batch = needs_batch
+
+
 class Executor(abc.ABC):
     """Applies a `ShardingPlan` to a model on one backend.
 
@@ -105,13 +130,9 @@ class Executor(abc.ABC):
         return contextlib.nullcontext()
 
     # -------------------------------------------------------------- Auto
-    #: The `Auto` candidates this backend predicts (`keras_parallel.auto.auto`):
-    #: `"shard"` (`DataParallel(shard=...)`), `"model"` (`ModelParallel`
-    #: with `rules="auto"`). Empty: `DataParallel()` is the one candidate.
-    auto_candidate_kinds = ()
-    #: Whether `step_memory` needs the batch (the choice waits for the batch
-    #: Keras builds the model from), or only the model and optimizer.
-    auto_needs_batch = True
+    #: What this backend does for `Auto` (an `AutoSupport`), or None: it
+    #: predicts no step's memory, and `Auto` is refused.
+    auto_support = None
 
     @classmethod
     def device_memory(cls):

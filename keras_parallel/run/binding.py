@@ -117,8 +117,8 @@ class Binding:
 
     def needs_batch(self):
         """Whether `Auto` still waits for the batch to choose by (a backend
-        whose prediction needs none: `Executor.auto_needs_batch`)."""
-        return self.unchosen() and executor_class().auto_needs_batch
+        whose prediction needs none: `AutoSupport.needs_batch`)."""
+        return self.unchosen() and executor_class().auto_support.needs_batch
 
     def prediction_refused(self, model, name):
         """The `ValueError` for a prediction before `Auto` could choose

@@ -16,7 +16,7 @@ import jax
 import keras
 from keras.distribution import TensorLayout
 
-from keras_parallel.backends.base import Executor
+from keras_parallel.backends.base import AutoSupport, Executor
 from keras_parallel.backends.jax import batches, processes
 from keras_parallel.backends.jax.checkpoint_io import (
     JaxCheckpointIO,
@@ -70,7 +70,7 @@ class JaxExecutor(Executor):
             "is imported (8 simulated devices)"
         )
 
-    auto_candidate_kinds = ("shard", "model")
+    auto_support = AutoSupport(candidate_kinds=("shard", "model"))
 
     @classmethod
     def device_memory(cls):

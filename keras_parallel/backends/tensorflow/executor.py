@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 from keras.distribution import DataParallel
 
-from keras_parallel.backends.base import Executor
+from keras_parallel.backends.base import AutoSupport, Executor
 from keras_parallel.backends.tensorflow import devices as tf_devices
 from keras_parallel.backends.tensorflow import exact as tf_exact
 from keras_parallel.backends.tensorflow import saving_references, strategies
@@ -87,10 +87,9 @@ class TensorFlowExecutor(Executor):
         )
 
     # -------------------------------------------------------------- Auto
-    #: TensorFlow runs data parallelism alone: `Auto`'s one candidate.
-    auto_candidate_kinds = ()
-    #: Its need is the state and the gradients: no batch needed.
-    auto_needs_batch = False
+    #: TensorFlow runs data parallelism alone, `Auto`'s one candidate; its
+    #: need is the state and the gradients: no batch needed.
+    auto_support = AutoSupport(candidate_kinds=(), needs_batch=False)
 
     @classmethod
     def step_memory(cls, model, distribution, plan, batch):

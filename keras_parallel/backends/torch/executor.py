@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from keras.distribution import DataParallel
 
-from keras_parallel.backends.base import Executor
+from keras_parallel.backends.base import AutoSupport, Executor
 from keras_parallel.backends.torch import distribution_lib
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.checkpoint_io import TorchCheckpointIO
@@ -89,7 +89,7 @@ class TorchExecutor(Executor):
         )
 
     # -------------------------------------------------------------- Auto
-    auto_candidate_kinds = ("shard", "model")
+    auto_support = AutoSupport(candidate_kinds=("shard", "model"))
 
     @classmethod
     def device_memory(cls):
