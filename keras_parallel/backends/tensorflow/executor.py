@@ -93,28 +93,9 @@ class TensorFlowExecutor(Executor):
 
     @classmethod
     def step_memory(cls, model, distribution, plan, batch):
-        from keras_parallel.backends.base import StepMemory
+        from keras_parallel.backends.tensorflow.step_memory import step_memory
 
-        # Every replica holds the whole state and its gradients, which the
-        # plan knows exactly; TensorFlow reports no step's memory ahead (nor
-        # a CPU's as it runs), so activations are not predicted: the table
-        # says so.
-        trainable = {v.path for v in model.trainable_variables}
-        gradients = sum(
-            v.bytes_total
-            for v in plan.variables
-            if v.kind == "model" and v.path in trainable
-        )
-        replicas = len(plan.devices)
-        return StepMemory(
-            plan.bytes_per_device(("model", "optimizer", "metric"))
-            + _unbuilt_optimizer_bytes(model)
-            + gradients,
-            int(2 * gradients * (replicas - 1) / replicas),
-            note="TensorFlow: data parallelism is the one candidate; its need "
-            "is the state and the gradients (exact), without the activations, "
-            "which TensorFlow does not predict",
-        )
+        return step_memory(model, plan)
 
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
@@ -343,21 +324,3 @@ def _restore_state(model, state):
     if optimizer_strategy is not None:
         for o in tf_variables._optimizers_of(model):
             o._distribution_strategy = optimizer_strategy
-
-
-def _unbuilt_optimizer_bytes(model):
-    """The bytes of the state an unbuilt optimizer will make (0 if built).
-
-    `Auto` chooses before `fit` builds the optimizer: a copy of it is built
-    for the model's trainable variables, counted, and dropped.
-    """
-    import numpy as np
-
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or optimizer.built:
-        return 0
-    copy = type(optimizer).from_config(optimizer.get_config())
-    copy.build(model.trainable_variables)
-    return sum(
-        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in copy.variables
-    )
