@@ -7,7 +7,6 @@ the metadata keeps the random state, and a mid-epoch backup records the batches
 trained, which the resumed run passes over (docs/checkpoints.md).
 """
 
-import base64
 import json
 import os
 import weakref
@@ -18,6 +17,10 @@ from keras import callbacks
 from keras_parallel.keras_seam.keras_compat import EpochIterator
 from keras_parallel.keras_seam.replacements import Replacements
 from keras_parallel.persistence import atomic, backup_checks
+from keras_parallel.persistence.backup_random_state import (
+    random_state,
+    set_random_state,
+)
 
 #: The key of keras_parallel's part of `training_metadata.json`.
 METADATA_KEY = "keras_parallel"
@@ -111,7 +114,7 @@ def _epoch_begins(callback, epoch, executor):
     # before it ends.
     progress = progress_of(callback)
     progress.epoch = epoch
-    progress.epoch_state = _random_state(callback.model, executor)
+    progress.epoch_state = random_state(callback.model, executor)
     _count_resumed_epochs(callback)
 
 
@@ -177,7 +180,7 @@ def _save(callback, executor):
     # Not referenced by any metadata yet: a kill half way leaves an orphan.
     callback.model.save_weights(os.path.join(directory, weights_name), overwrite=True)
     epoch = callback._current_epoch
-    state = _random_state(callback.model, executor)
+    state = random_state(callback.model, executor)
     steps_done = 0
     progress = progress_of(callback)
     if progress.epoch is not None and progress.epoch >= epoch:
@@ -192,7 +195,7 @@ def _save(callback, executor):
             # first host random state, the dropout masks from here on.
             steps_done = callback._last_batch_seen + 1
             state = dict(progress.epoch_state)
-            state["seed_generators"] = _random_state(callback.model, executor)[
+            state["seed_generators"] = random_state(callback.model, executor)[
                 "seed_generators"
             ]
         else:
@@ -278,7 +281,7 @@ def _restore(callback, metadata, executor):
                 f"that wrote it. The load failed with: {_root_cause(error)}"
             ) from error
     if ours:
-        _set_random_state(model, executor, ours["random_state"])
+        set_random_state(model, executor, ours["random_state"])
         steps_done = ours.get("steps_done", 0)
         if steps_done:
             # Passed over by the training iterator (`_resumed_enumerate`).
@@ -360,66 +363,3 @@ def _root_cause(error):
 
 def _is_weights_file(name):
     return name.startswith(_WEIGHTS_PREFIX) and name.endswith(_WEIGHTS_SUFFIX)
-
-
-# ---------------------------------------------------------------- state
-def _random_state(model, executor):
-    """The host random state and the model's seed generator states, as JSON."""
-    return {
-        "host": _encode(executor.checkpoint_io.host_random_state()),
-        "seed_generators": [
-            np.asarray(executor.checkpoint_io.host_value(v.value)).tolist()
-            for v in _seed_states(model)
-        ],
-    }
-
-
-def _set_random_state(model, executor, state):
-    executor.checkpoint_io.set_host_random_state(_decode(state["host"]))
-    saved = state["seed_generators"]
-    variables = _seed_states(model)
-    if len(saved) != len(variables):
-        raise BackupError(
-            f"the backup holds {len(saved)} random seed states and model "
-            f"{model.name!r} has {len(variables)}. Received: a backup of "
-            "another model; delete the backup folder to start afresh."
-        )
-    for variable, value in zip(variables, saved, strict=True):
-        value = np.asarray(value, dtype=variable.dtype)
-        variable.assign(executor.checkpoint_io.rank_seed_state(value))
-
-
-def _seed_states(model):
-    """The states of the model's seed generators (`Dropout(seed=...)`, ...).
-
-    `model.variables` lists them, `model.weights` (what is saved) does not.
-    """
-    weights = {id(v) for v in model.weights}
-    return [v for v in model.variables if id(v) not in weights]
-
-
-def _encode(value):
-    """NumPy arrays and bytes as JSON-safe tagged values; nests kept."""
-    if isinstance(value, np.ndarray):
-        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
-    if isinstance(value, bytes):
-        return {"bytes": base64.b64encode(value).decode()}
-    if isinstance(value, (list, tuple)):
-        return {"tuple": [_encode(v) for v in value]}
-    if isinstance(value, dict):
-        return {"dict": {k: _encode(v) for k, v in value.items()}}
-    if isinstance(value, (np.integer, np.floating)):
-        return value.item()
-    return value
-
-
-def _decode(value):
-    if isinstance(value, dict):
-        if "ndarray" in value:
-            return np.asarray(value["ndarray"], dtype=value["dtype"])
-        if "bytes" in value:
-            return base64.b64decode(value["bytes"])
-        if "tuple" in value:
-            return tuple(_decode(v) for v in value["tuple"])
-        return {k: _decode(v) for k, v in value["dict"].items()}
-    return value
