@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_parallel.backends import executor_class
 from keras_parallel.keras_seam import callback_lists
 from keras_parallel.keras_seam.keras_compat import print_msg
 from keras_parallel.keras_seam.model_state import state_of
@@ -68,7 +69,9 @@ class ShardingCallback(callback_lists.PhaseCallback):
 
     @property
     def distribution(self):
-        return self.binding.distribution
+        """The distribution in effect (an `Auto` until it has chosen)."""
+        binding = self.binding
+        return binding.auto if binding.unchosen() else binding.distribution
 
     def set_model(self, model):
         if self.binding.run is not None or self._plain_steps is not None:
@@ -83,21 +86,32 @@ class ShardingCallback(callback_lists.PhaseCallback):
         self._plain_steps = {
             name: getattr(model, name, None) for name in _STEP_FUNCTIONS
         }
-        executor = self.binding.executor
-        # The model is built: the run plans it as it begins. Its
-        # `ModelCheckpoint`'s files appear whole, as a DistributedModel's do.
-        run = Run(
-            self.binding,
-            model,
-            overrides=[lambda: atomic.atomic_saving(model, executor)],
-        )
-        run.__enter__()
+        if self.binding.unchosen():
+            if not executor_class().auto_support.needs_batch:
+                self.binding.choose(model)
+            else:
+                # Chosen at the first train (or test) step, from its batch
+                # (`_chosen_at_first_step`): the run begins there.
+                self._end_runs_after_every_callback()
+                return
+        self._begin_run(model)
         # Keras makes its step functions next; those of this plan are
         # reused, others are made for it.
         reuse = self._steps_version == self.binding.version
         for name in _STEP_FUNCTIONS:
             setattr(model, name, self._distributed_steps.get(name) if reuse else None)
         self._end_runs_after_every_callback()
+
+    def _begin_run(self, model):
+        # The model is built: the run plans it as it begins. Its
+        # `ModelCheckpoint`'s files appear whole, as a DistributedModel's do.
+        executor = self.binding.executor
+        run = Run(
+            self.binding,
+            model,
+            overrides=[lambda: atomic.atomic_saving(model, executor)],
+        )
+        run.__enter__()
 
     def _end_runs_after_every_callback(self):
         # Keras calls this callback's `on_*_end` before those of the callbacks
@@ -131,7 +145,8 @@ class ShardingCallback(callback_lists.PhaseCallback):
             self.binding.run.close()
         if self._plain_steps is not None:
             model, plain, self._plain_steps = self.model, self._plain_steps, None
-            if self.binding.executor.released_after_a_callback_run:
+            executor = self.binding.executor
+            if executor is not None and executor.released_after_a_callback_run:
                 # Planned and compiled anew by the next run.
                 self.binding.release(model)
             for name in _STEP_FUNCTIONS:
@@ -142,16 +157,48 @@ class ShardingCallback(callback_lists.PhaseCallback):
             self._steps_version = self.binding.version
 
     def _begin(self, phase):
-        if phase == "predict" and self.binding.needs_batch():
-            # No batch to train by: Keras calls no callback after this
-            # raises, so the run ends here.
-            self.close()
-            raise self.binding.prediction_refused(self.model, "predict")
         if self._phase is None:
             self._phase = phase
+        if self.binding.unchosen():
+            if phase == "predict":
+                # No batch to train by: Keras calls no callback after this
+                # raises, so the run ends here.
+                self.close()
+                raise self.binding.prediction_refused(self.model, "predict")
+            name = f"{phase}_function"
+            function = getattr(self.model, name)
+            setattr(self.model, name, self._chosen_at_first_step(phase, function))
+            return
         # Keras has made its step function by now (make_*_function runs
         # just before on_*_begin).
         self.binding.wrap_steps(self.model)
+
+    def _chosen_at_first_step(self, kind, function):
+        """`function`, choosing `Auto`'s distribution from its first batch.
+
+        Keras drew the batch it builds the model from before it handed this
+        callback the model: `Auto` chooses from the first step's batch, the
+        run begins, and the step is made again for the plan and run. No step
+        has run before the choice.
+        """
+        model, cls = self.model, executor_class()
+
+        def step(*args, **kwargs):
+            if not self.binding.unchosen():
+                return function(*args, **kwargs)
+            batch, args = cls.first_step_batch(kind, args)
+
+            def choose_and_begin():
+                self.binding.choose(model, batch)
+                self._begin_run(model)
+                setattr(model, f"{kind}_function", None)
+                getattr(model, f"make_{kind}_function")(force=True)
+                self.binding.wrap_steps(model)
+
+            args = cls.replanned_step_args(model, kind, args, choose_and_begin)
+            return getattr(model, f"{kind}_function")(*args, **kwargs)
+
+        return step
 
     def _run_ended(self, phase):
         if self._phase == phase:

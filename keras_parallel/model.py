@@ -1,10 +1,12 @@
 """`DistributedModel`: `compile(..., distribution=...)` for any Keras model."""
 
+import contextlib
 import os
 
 import keras
 
 from keras_parallel.backends import executor_class
+from keras_parallel.keras_seam import first_batch
 from keras_parallel.keras_seam.keras_compat import print_msg
 from keras_parallel.keras_seam.model_state import binding_of, state_of
 from keras_parallel.run.binding import Binding
@@ -222,12 +224,10 @@ class DistributedModel:
         Returns:
             A list of NumPy arrays.
         """
-        binding = binding_of(self)
-        if binding is None:
+        executor = _executor(self)
+        if executor is None:
             return super().get_weights()
-        return [
-            binding.executor.checkpoint_io.host_value(v.value) for v in self.weights
-        ]
+        return [executor.checkpoint_io.host_value(v.value) for v in self.weights]
 
     @property
     def distribution(self):
@@ -341,14 +341,15 @@ def _entry_point(name):
             # One device, or an entry point inside a run (the evaluation
             # inside `fit`): the run in force holds.
             return call(*args, **kwargs)
-        if name.startswith("predict") and binding.needs_batch():
-            raise binding.prediction_refused(self, name)
         if name == "fit":
             # fit(x, y, batch_size, epochs, verbose, ...): the plan is printed
             # once the step is made, when every variable exists.
             verbose = kwargs.get("verbose", args[4] if len(args) > 4 else "auto")
             state_of(self).announce = verbose != 0
-        with Run(binding, self, build=_built_from_batch(self, name, args, kwargs)):
+        build = _built_from_batch(self, name, args, kwargs)
+        if binding.unchosen():
+            return _run_after_choice(self, binding, name, build, args, kwargs)
+        with Run(binding, self, build=build):
             return call(*args, **kwargs)
 
     method.__name__ = name
@@ -360,9 +361,42 @@ def _entry_point(name):
     return method
 
 
+def _run_after_choice(model, binding, name, build, args, kwargs):
+    """`Auto`'s step, then the run, for an entry point of `model`.
+
+    Where the backend predicts from the model alone, the choice is made
+    first. Else it needs the global batch: a `*_on_batch` call gives it,
+    and `fit` and `evaluate` draw it as Keras builds the model
+    (`first_batch`): the run begins there, before Keras makes its callback
+    list or any step. A prediction before any batch is refused.
+    """
+    call = getattr(super(DistributedModel, model), name)
+    if not executor_class().auto_support.needs_batch:
+        binding.choose(model)
+        with Run(binding, model, build=build):
+            return call(*args, **kwargs)
+    if name.startswith("predict"):
+        raise binding.prediction_refused(model, name)
+    if build is not None:
+        batch = build.batch
+        model._symbolic_build(data_batch=batch)  # Keras's own build, first.
+        binding.choose(model, batch)
+        with Run(binding, model, build=build):
+            return call(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+
+        def chosen(batch):
+            binding.choose(model, batch)
+            stack.enter_context(Run(binding, model))
+
+        stack.callback(first_batch.watch(model, chosen))
+        return call(*args, **kwargs)
+
+
 def _built_from_batch(model, name, args, kwargs):
     """For a `*_on_batch` call, a function that builds what is unbuilt of
     `model` from its batch, as Keras's own call does first; else None.
+    The batch is its `batch`.
 
     No callback list marks the moment Keras has built the model in these
     calls: built here first, the run plans it before Keras makes its step.
@@ -372,9 +406,13 @@ def _built_from_batch(model, name, args, kwargs):
     names = ("x", "y", "sample_weight")
     values = dict(zip(names, args, strict=False))
     batch = tuple(kwargs.get(n, values.get(n)) for n in names)
-    executor = binding_of(model).executor
     kind = name.partition("_")[0]
-    return lambda: executor.build_from_batch(model, kind, batch)
+
+    def build():
+        binding_of(model).executor.build_from_batch(model, kind, batch)
+
+    build.batch = batch
+    return build
 
 
 for _name in _ENTRY_POINTS:

@@ -340,6 +340,58 @@ def test_a_kerashub_llama_trains_as_chosen_like_one_device(recorded_steps):
     assert max_relative_difference(weights_of(model), weights_of(one)) < 1e-4
 
 
+@pytest.mark.parametrize("door", ["model", "callback"])
+def test_every_run_is_made_for_the_chosen_distribution(door, monkeypatch):
+    # `Auto` chooses in a step of its own: no run begins before the choice,
+    # and each run holds the chosen distribution's executor from its entry
+    # to its exit (none is swapped inside a run).
+    from keras_parallel.run.run import Run
+
+    seen = []
+    enter, leave = Run.__enter__, Run.__exit__
+
+    def entered(run):
+        seen.append(("enter", run.binding.executor, run.binding.choice))
+        return enter(run)
+
+    def left(run, *error):
+        seen.append(("exit", run.binding.executor, run.binding.choice))
+        return leave(run, *error)
+
+    monkeypatch.setattr(Run, "__enter__", entered)
+    monkeypatch.setattr(Run, "__exit__", left)
+    auto_ = keras_parallel.Auto(device_memory="1GiB")
+    x, y = _data()
+    if door == "model":
+        model = _compile(_mlp(), auto_)
+        callbacks = []
+    else:
+        model = _compile(_mlp(model_class=keras.Model), None)
+        callbacks = [keras_parallel.ShardingCallback(auto_)]
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
+    model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=callbacks)
+    assert auto_.choice is not None
+    chosen = auto_.choice.chosen.distribution
+    assert seen and all(choice is auto_.choice for _, _, choice in seen)
+    executors = {id(executor) for _, executor, _ in seen if executor is not None}
+    assert all(executor is not None for _, executor, _ in seen)
+    assert len(executors) == 1
+    assert seen[0][1].distribution is chosen
+    assert [kind for kind, _, _ in seen].count("enter") >= 2
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow needs no batch")
+def test_a_model_built_whole_is_chosen_for_the_batch_keras_would_not_draw():
+    # Keras draws no batch to build a model whose variables, loss, metrics
+    # and optimizer are built: the model door draws it as Keras would.
+    model = _compile(_mlp(), keras_parallel.Auto(device_memory="1GiB"))
+    x, y = _data()
+    keras.Model._symbolic_build(model, data_batch=(x[:BATCH], y[:BATCH], None))
+    model.optimizer.build(model.trainable_variables)
+    model.fit(x, y, batch_size=BATCH // 2, epochs=1, verbose=0)
+    assert binding_of(model).choice.batch == f"{BATCH // 2} rows"
+
+
 @jax_only
 def test_a_saved_model_keeps_what_auto_chose(needs, tmp_path):
     budget = needs[1].bytes_per_device  # DataParallel(shard="optimizer")'s.

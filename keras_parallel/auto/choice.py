@@ -216,7 +216,7 @@ def choose(auto, model, batch, executor_class, devices, predict_all=False):
     )
 
 
-def choose_agreed(auto, model, batch, executor, devices):
+def choose_agreed(auto, model, batch, executor_class, devices):
     """`choose`, made by the chief process and given to every other.
 
     On one process, `choose` itself. With several, only process 0 predicts
@@ -228,7 +228,7 @@ def choose_agreed(auto, model, batch, executor, devices):
         auto: the `Auto`.
         model: the built model.
         batch: the global batch.
-        executor: the executor in force (its collectives).
+        executor_class: the backend's executor class.
         devices: the device names the candidates span.
 
     Returns:
@@ -236,7 +236,11 @@ def choose_agreed(auto, model, batch, executor, devices):
     """
     import json
 
-    executor_class = type(executor)
+    from keras_parallel.distribution import DataParallel
+
+    # The collectives of the first candidate's executor: no run is made
+    # with it (`Binding.choose` makes the chosen one's).
+    executor = executor_class(DataParallel(devices=devices))
     if executor.num_processes <= 1:
         return choose(auto, model, batch, executor_class, devices)
     choice, message, raised = None, {}, None

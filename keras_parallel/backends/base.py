@@ -254,11 +254,12 @@ class Executor(abc.ABC):
         """
         return function
 
-    def first_step_batch(self, kind, args):
+    @classmethod
+    def first_step_batch(cls, kind, args):
         """The first batch a train or test step function was called with.
 
         `Auto` through a `ShardingCallback` chooses from it
-        (`Binding._chosen_at_first_step`).
+        (`ShardingCallback._chosen_at_first_step`).
 
         Args:
             kind: `"train"` or `"test"`.
@@ -271,11 +272,12 @@ class Executor(abc.ABC):
         """
         return None, args
 
-    def replanned_step_args(self, model, kind, args, replan):
-        """Calls `replan()` (the run's plan applied, the step made again) and
-        returns the arguments for the step it made. JAX hands the step the
-        variables' values, taken out of the model: they are put back first,
-        and taken again as the new plan laid them out.
+    @classmethod
+    def replanned_step_args(cls, model, kind, args, replan):
+        """Calls `replan()` (`Auto`'s choice made, the run begun, the step
+        made again) and returns the arguments for the step it made. JAX
+        hands the step the variables' values, taken out of the model: they
+        are put back first, and taken again as the new plan laid them out.
 
         Args:
             model: the model.

@@ -1,33 +1,52 @@
-"""The first batch Keras builds a model from, seen as Keras draws it.
+"""The first batch of an entry point, as Keras's trainer draws it to build.
 
-`Auto` chooses a distribution for the global batch `fit` trains on; both doors
-see it the same way: Keras's trainer builds the model, its metrics and loss
-from one batch (`_symbolic_build`) before it makes the run's callback list,
-and this mixin records that batch's shapes and dtypes as Keras draws it,
-drawing nothing more.
+`Auto` chooses a distribution for the global batch `fit` trains on. Keras's
+JAX and torch trainers, in `fit` and `evaluate`, draw one batch from their
+epoch iterator to build the model, its metrics and loss (`_symbolic_build`),
+and reset the iterator before the first step. `DistributedModel` learns the
+batch there: the batch is drawn as Keras draws it (also when everything is
+built and Keras would draw none), Keras builds from it, and `seen(batch)` is
+called before Keras makes its callback list or any step.
 """
 
 from keras_parallel.keras_seam.overrides import Overrides, override
 
 
 class FirstBatchSeen(Overrides):
-    """Records the batch Keras's `_symbolic_build` is given or draws.
+    """Hands the batch Keras's `_symbolic_build` builds from to `seen`, once.
 
     Args:
-        seen: a function of the batch.
+        seen: a function of the batch (`(x, y, sample_weight)` as Keras has
+            it).
     """
 
     names = ("_symbolic_build",)
 
     def __init__(self, seen):
         self.seen = seen
+        self.done = False
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        if data_batch is not None:
-            self.seen(data_batch)
-        elif iterator is not None:
-            iterator = _RecordingIterator(iterator, self.seen)
-        return self.overridden._symbolic_build(iterator=iterator, data_batch=data_batch)
+        if self.done:
+            return self.overridden._symbolic_build(
+                iterator=iterator, data_batch=data_batch
+            )
+        if data_batch is None and iterator is not None:
+            data_batch = first_batch_of(iterator)
+        result = self.overridden._symbolic_build(data_batch=data_batch)
+        self.done = True
+        self.seen(data_batch)
+        return result
+
+
+def first_batch_of(iterator):
+    """The first batch of Keras's epoch iterator, drawn as Keras's own
+    `_symbolic_build` draws it (Keras resets the iterator afterwards)."""
+    for _, _, data in iterator:
+        if isinstance(data, (list, tuple)):
+            return data[0]
+        return next(data)
+    return None
 
 
 def watch(model, seen):
@@ -35,43 +54,9 @@ def watch(model, seen):
 
     Args:
         model: the `keras.Model`.
-        seen: a function of the batch (`(x, y, sample_weight)` as Keras has
-            it: arrays, or `(x,)`).
+        seen: a function of the batch.
 
     Returns:
         A function that stops watching.
     """
     return override(model, FirstBatchSeen(seen))
-
-
-class _RecordingIterator:
-    """Keras's epoch iterator, its first batch handed to `seen` as drawn.
-
-    Keras takes the first element of each `(begin, end, data)` it iterates:
-    a list of batches, or an iterator of them.
-    """
-
-    def __init__(self, iterator, seen):
-        self._iterator = iterator
-        self._seen = seen
-
-    def __iter__(self):
-        for begin, end, data in self._iterator:
-            if isinstance(data, (list, tuple)):
-                if data:
-                    self._seen(data[0])
-                yield begin, end, data
-            else:
-                yield begin, end, _first_seen(data, self._seen)
-
-    def __getattr__(self, name):
-        return getattr(self._iterator, name)
-
-
-def _first_seen(batches, seen):
-    first = True
-    for batch in batches:
-        if first:
-            seen(batch)
-            first = False
-        yield batch

@@ -22,10 +22,13 @@ class Binding:
     What is in force while an entry point runs is a `run.Run`'s, the one in
     `run` while it runs.
 
+    With `Auto`, the binding holds no distribution and no executor until
+    `choose` (each door calls it before its first run, once it knows what
+    the choice needs): a run is made for the chosen distribution only.
+
     Args:
         distribution: a `keras.distribution.Distribution`, or
-            `keras_parallel.Auto` (`"auto"`): chosen when Keras builds the
-            model from its first batch (`auto_choice.choose`).
+            `keras_parallel.Auto` (`"auto"`).
 
     Raises:
         ShardingError: `distribution` is not a distribution, or this backend
@@ -38,18 +41,11 @@ class Binding:
         self.auto = distribution if isinstance(distribution, auto.Auto) else None
         #: What `Auto` chose, once it has.
         self.choice = None
-        self._batch = None
-        if self.auto is not None:
+        self.distribution = self.executor = None
+        if self.auto is None:
+            self._use(distribution)
+        else:
             auto.check_backend(executor_class())
-            # Until the choice: the first candidate (every device), whose
-            # executor runs the scopes entered before it.
-            from keras_parallel.distribution import DataParallel
-
-            distribution = DataParallel()
-        check_distribution(distribution)
-        self.distribution = distribution
-        self.executor = executor_class()(distribution)
-        self.executor.check(distribution)
         self.plan = None
         #: Counts the plans applied: a step compiled under an older one is remade.
         self.version = 0
@@ -60,6 +56,12 @@ class Binding:
         self._saving = HeldOverride()
         self._announced = False
         self._hinted = False
+
+    def _use(self, distribution):
+        check_distribution(distribution)
+        executor = executor_class()(distribution)
+        executor.check(distribution)
+        self.distribution, self.executor = distribution, executor
 
     def resolve(self, model):
         """The plan for `model` as it is now, validated, applied to nothing."""
@@ -84,19 +86,11 @@ class Binding:
             return self.run.plan()
         return self.apply_if_changed(model)
 
-    def apply_if_changed(self, model, entering=False):
+    def apply_if_changed(self, model):
         """Applies a new plan if the model's variables changed (`prepare`,
-        outside a run's scopes). With `Auto`, chooses first: at the first
-        entry point (`entering`: a `Run` begins), once the batch is known
-        where the backend's prediction needs it (`batch_seen`)."""
-        if not model.built:
+        outside a run's scopes); nothing before `Auto` has chosen."""
+        if not model.built or self.unchosen():
             return False
-        if self.unchosen():
-            if not (entering or self.run is not None):
-                return False  # Chosen at the first entry point.
-            if self.needs_batch() and self._batch is None:
-                return False  # Chosen once Keras builds from a batch.
-            self._choose(model)
         signature = variables_signature(model)
         if signature == self._signature:
             return False
@@ -115,14 +109,42 @@ class Binding:
         """Whether `Auto` has yet to choose the distribution."""
         return self.auto is not None and self.choice is None
 
-    def needs_batch(self):
-        """Whether `Auto` still waits for the batch to choose by (a backend
-        whose prediction needs none: `AutoSupport.needs_batch`)."""
-        return self.unchosen() and executor_class().auto_support.needs_batch
+    def choose(self, model, batch=None):
+        """`Auto`'s step: chooses the distribution, before any run.
+
+        Every process predicts alike (or takes process 0's table): see
+        `auto_choice.choose_agreed`. The chief prints the table.
+
+        Args:
+            model: the built model, its optimizer and metrics built.
+            batch: the global batch the model trains on (arrays or specs),
+                where the backend's prediction needs it
+                (`AutoSupport.needs_batch`).
+
+        Raises:
+            ValueError: no candidate fits (nothing was moved), or the model
+                is not built where the choice needs it.
+        """
+        cls = executor_class()
+        if not model.built:
+            raise ValueError(
+                f"Auto chooses the distribution of model {model.name!r} from "
+                "its variables, and the model is not built. Received: an "
+                f"unbuilt model on the {cls.backend} backend; build it first "
+                "(call it on a batch, or model.build(input_shape)), or give "
+                "the distribution itself. Nothing ran."
+            )
+        choice = auto_choice.choose_agreed(
+            self.auto, model, batch, cls, cls.list_devices()
+        )
+        self._use(choice.chosen.distribution)
+        self.choice = self.auto.choice = choice
+        if self.executor.is_chief:
+            print_msg(choice.table())
 
     def prediction_refused(self, model, name):
         """The `ValueError` for a prediction before `Auto` could choose
-        (it chooses for the batch a model trains on: `needs_batch`)."""
+        (it chooses for the batch a model trains on)."""
         return ValueError(
             f"Auto chooses the distribution of model {model.name!r} for the "
             "batch it trains on, and has not chosen yet. Received: "
@@ -130,24 +152,6 @@ class Binding:
             "test_on_batch; train (or evaluate) first, or give the "
             "distribution itself. Nothing ran."
         )
-
-    def batch_seen(self, batch):
-        """Keeps the first batch Keras builds the model from (`first_batch`)."""
-        if self._batch is None:
-            self._batch = batch
-
-    def _choose(self, model):
-        devices = executor_class().list_devices()
-        choice = auto_choice.choose_agreed(
-            self.auto, model, self._batch, self.executor, devices
-        )
-        distribution = choice.chosen.distribution
-        executor = executor_class()(distribution)
-        executor.check(distribution)
-        self.choice = self.auto.choice = choice
-        self.distribution, self.executor = distribution, executor
-        if executor.is_chief:
-            print_msg(choice.table())
 
     def _hint_one_device(self):
         # On one device nothing is split and nothing else says so: printed
@@ -169,8 +173,6 @@ class Binding:
             wrapped = self.executor.wrap_step(function, kind=kind)
             if kind == "predict" and self.plan is None:
                 wrapped = self._planned_at_first_step(model, wrapped, kind)
-            elif kind != "predict" and self.needs_batch():
-                wrapped = self._chosen_at_first_step(model, wrapped, kind)
             if wrapped is not function:
                 wrapped._kp_wrapped = True
                 setattr(model, name, wrapped)
@@ -193,43 +195,6 @@ class Binding:
                         model.make_predict_function(force=True)
                         self.wrap_steps(model)
                         return model.predict_function(*args, **kwargs)
-            return function(*args, **kwargs)
-
-        return step
-
-    def _chosen_at_first_step(self, model, function, kind):
-        """`function`, choosing `Auto`'s distribution from its first batch.
-
-        Through a `ShardingCallback`, Keras drew the batch it builds the
-        model from before the run began: `Auto` chooses from the first
-        step's batch instead, applies the plan, and the step is made again
-        and run under it. No step has run before the choice.
-        """
-
-        def step(*args, **kwargs):
-            if self.needs_batch() and self.run is not None:
-                batch, args = self.executor.first_step_batch(kind, args)
-                if batch is not None:
-                    self.batch_seen(batch)
-
-                    def replan():
-                        self.run.plan()
-                        setattr(model, f"{kind}_function", None)
-                        getattr(model, f"make_{kind}_function")(force=True)
-                        self.wrap_steps(model)
-
-                    run = self.run
-                    try:
-                        args = self.executor.replanned_step_args(
-                            model, kind, args, replan
-                        )
-                    except BaseException as error:
-                        # Refused (nothing fits) before any step: the run
-                        # ends now, with the error, as Keras calls no
-                        # callback after a step raises.
-                        run.__exit__(type(error), error, error.__traceback__)
-                        raise
-                    return getattr(model, f"{kind}_function")(*args, **kwargs)
             return function(*args, **kwargs)
 
         return step

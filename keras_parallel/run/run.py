@@ -31,7 +31,7 @@ evaluation inside `fit`) runs in the outer run: the doors make no second one.
 
 import contextlib
 
-from keras_parallel.keras_seam import callback_lists, first_batch
+from keras_parallel.keras_seam import callback_lists
 from keras_parallel.persistence.backup import ExactBackups
 from keras_parallel.persistence.preemption import PreemptionWatch
 from keras_parallel.run.heartbeat import Heartbeat
@@ -71,6 +71,12 @@ class Run:
 
     def __enter__(self):
         binding, model, executor = self.binding, self.model, self.binding.executor
+        if binding.unchosen():
+            raise RuntimeError(
+                f"Auto has not chosen the distribution of model {model.name!r}. "
+                "Received: a run entered before the choice; a door calls "
+                "`Binding.choose` first."
+            )
         if binding.run is not None:
             raise RuntimeError(
                 f"A run of model {model.name!r} is already in force. Received: "
@@ -80,7 +86,7 @@ class Run:
         # A built model is planned first, outside the scopes, as at `compile`
         # and as a `ShardingCallback` is handed it: a bad layout is refused
         # before anything is entered.
-        binding.apply_if_changed(model, entering=True)
+        binding.apply_if_changed(model)
         stack = contextlib.ExitStack()
         try:
             stack.callback(callback_lists.add_handler(self._list_made))
@@ -92,9 +98,6 @@ class Run:
             stack.callback(heartbeat.close)
             stack.enter_context(PreemptionWatch(executor, heartbeat))
             stack.enter_context(StallWatchPart(executor, heartbeat))
-            if binding.needs_batch():
-                # `Auto` chooses for the batch Keras builds the model from.
-                stack.callback(first_batch.watch(model, binding.batch_seen))
             binding.run = self
             stack.callback(self._detach)
             stack.push(self._leave_plan)

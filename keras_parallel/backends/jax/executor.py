@@ -244,7 +244,8 @@ class JaxExecutor(Executor):
 
         return one_step_at_a_time
 
-    def first_step_batch(self, kind, args):
+    @classmethod
+    def first_step_batch(cls, kind, args):
         # Keras's JAX step functions take `(state, iterator)` and draw one
         # batch per step from the iterator: read, then handed back first.
         if len(args) < 2:
@@ -256,7 +257,8 @@ class JaxExecutor(Executor):
             return None, args
         return first, (args[0], itertools.chain([first], iterator), *args[2:])
 
-    def replanned_step_args(self, model, kind, args, replan):
+    @classmethod
+    def replanned_step_args(cls, model, kind, args, replan):
         owners = STATE_OWNERS[kind]
         # The values Keras took out of the model, put back for the plan
         # (and kept there if it refuses: the model is unchanged).

@@ -328,7 +328,8 @@ class TorchExecutor(Executor):
         """Drops the DDP wrapper before the process group goes (at exit)."""
         self._close_ddp()
 
-    def first_step_batch(self, kind, args):
+    @classmethod
+    def first_step_batch(cls, kind, args):
         # Keras's torch step functions take a list of one batch.
         data = args[0] if args else None
         if isinstance(data, (list, tuple)) and data:
