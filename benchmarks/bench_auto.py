@@ -10,11 +10,17 @@ budget of the first candidate after plain data parallelism that needs less:
 - the chosen candidate's predicted bytes per device against XLA's analysis
   of the step `fit` compiled and ran (`memory_analysis().peak_memory_in_bytes`),
   and the relative error;
+- the first step's seconds (its compilation and run), with `Auto` and by
+  hand: whether the step `Auto` compiled to predict is compiled again;
 - the candidates' table.
+
+`--large` adds an MLP of 105 M parameters (256 -> 5120 x 4 -> 256), with
+the budget of `DataParallel(shard="full")`, one round (its state takes
+about 1.3 GB of host memory per copy).
 
 Usage:
 
-    python benchmarks/bench_auto.py [--rounds 3]
+    python benchmarks/bench_auto.py [--rounds 3] [--large]
 """
 
 import argparse
@@ -57,6 +63,15 @@ def _mlp_data():
     return x, rng.normal(size=(256, 256)).astype("float32")
 
 
+def _large_mlp():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((256,))
+    x = inputs
+    for index in range(4):
+        x = keras.layers.Dense(5120, activation="relu", name=f"d{index}")(x)
+    return Net(inputs, keras.layers.Dense(256, name="out")(x))
+
+
 def _llama():
     import hub_models
 
@@ -75,7 +90,7 @@ def _compiled(build, distribution):
     return model
 
 
-def _budget(build, x, y):
+def _budget(build, x, y, name=None):
     model = _compiled(build, keras_parallel.DataParallel())
     model.optimizer.build(model.trainable_variables)
     needs = auto_choice.choose(
@@ -90,6 +105,8 @@ def _budget(build, x, y):
         keras.distribution.list_devices(),
         predict_all=True,
     ).candidates
+    if name is not None:
+        return next(c for c in needs if c.name == name).bytes_per_device
     second = next(
         c for c in needs[1:] if c.bytes_per_device < needs[0].bytes_per_device
     )
@@ -122,30 +139,46 @@ def _measured_peak(model, x, y):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--large", action="store_true")
     args = parser.parse_args()
-    for name, build, data in (("MLP", _mlp, _mlp_data), ("Llama", _llama, _llama_data)):
+    models = [
+        ("MLP", _mlp, _mlp_data, None, args.rounds),
+        ("Llama", _llama, _llama_data, None, args.rounds),
+    ]
+    if args.large:
+        full = 'DataParallel(shard="full")'
+        models.append(("MLP, 105 M parameters", _large_mlp, _mlp_data, full, 1))
+    for name, build, data, candidate, rounds in models:
         x, y = data()
-        budget = _budget(build, x, y)
+        budget = _budget(build, x, y, candidate)
         by_auto, by_hand = [], []
         chosen = None
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             chooser = keras_parallel.Auto(device_memory=budget, headroom=0)
             model = _compiled(build, chooser)
-            by_auto.append(seconds_to_first_batch(model, x, y))
+            by_auto.append(seconds_to_first_batch(model, x, y, with_step=True))
             chosen = chooser.choice
-            by_hand.append(
-                seconds_to_first_batch(
-                    _compiled(build, chosen.chosen.distribution), x, y
-                )
-            )
+            model = _compiled(build, chosen.chosen.distribution)
+            by_hand.append(seconds_to_first_batch(model, x, y, with_step=True))
         measured = _measured_peak(_compiled(build, chosen.chosen.distribution), x, y)
         predicted = chosen.chosen.bytes_per_device
-        print(f"== {name}")
+        parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        auto_first, auto_step = (
+            statistics.median(t) for t in zip(*by_auto, strict=True)
+        )
+        hand_first, hand_step = (
+            statistics.median(t) for t in zip(*by_hand, strict=True)
+        )
+        print(f"== {name} ({parameters:,} parameters)")
         print(chosen.table())
         print(
-            f"fit to first batch: Auto {statistics.median(by_auto):.2f} s, "
-            f"{chosen.chosen.name} by hand {statistics.median(by_hand):.2f} s "
-            f"(choosing: {statistics.median(by_auto) - statistics.median(by_hand):.2f} s)"
+            f"fit to first batch: Auto {auto_first:.2f} s, "
+            f"{chosen.chosen.name} by hand {hand_first:.2f} s "
+            f"(choosing: {auto_first - hand_first:.2f} s)"
+        )
+        print(
+            f"first step (compiled and run): Auto {auto_step:.2f} s, "
+            f"by hand {hand_step:.2f} s"
         )
         print(
             f"predicted {predicted} bytes/device, measured {measured}: "

@@ -184,7 +184,7 @@ def restore_times(root, repeats=3):
     def ours(shape):
         model = build(shape)
         model.optimizer.build(model.trainable_variables)  # as for Keras's, below
-        binding_of(model).prepare(model)
+        binding_of(model).apply(model)
         start = time.perf_counter()
         keras_parallel.restore_checkpoint(model, root)
         return time.perf_counter() - start
@@ -192,7 +192,7 @@ def restore_times(root, repeats=3):
     def keras_own():
         model = build((1, 8))
         model.optimizer.build(model.trainable_variables)
-        binding_of(model).prepare(model)
+        binding_of(model).apply(model)
         start = time.perf_counter()
         model.load_weights(root)
         return time.perf_counter() - start
@@ -234,7 +234,7 @@ def measure_restore(root, how):
 
     model = build()
     model.optimizer.build(model.trainable_variables)
-    binding_of(model).prepare(model)
+    binding_of(model).apply(model)
     process = psutil.Process()
     before = {"rss": process.memory_info().rss, "device": device_bytes()}
     peak = {"rss": before["rss"], "device": before["device"]}

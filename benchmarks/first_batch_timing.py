@@ -7,11 +7,15 @@ first.
 import time
 
 
-def seconds_to_first_batch(model, x, y, batch_size=64):
+def seconds_to_first_batch(model, x, y, batch_size=64, with_step=False):
     """Seconds from `model.fit`'s call to its first train batch's begin.
 
     One epoch of one step: what comes before the first step (planning,
     `Auto`'s choice, the data pipeline's start) and nothing after it.
+
+    Args:
+        with_step: also return the first step's seconds (its compilation
+            and its run), from the batch's begin to its end.
     """
     import keras
 
@@ -20,6 +24,10 @@ def seconds_to_first_batch(model, x, y, batch_size=64):
     class First(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if not seen:
+                seen.append(time.perf_counter())
+
+        def on_train_batch_end(self, batch, logs=None):
+            if len(seen) == 1:
                 seen.append(time.perf_counter())
 
     start = time.perf_counter()
@@ -32,4 +40,6 @@ def seconds_to_first_batch(model, x, y, batch_size=64):
         verbose=0,
         callbacks=[First()],
     )
+    if with_step:
+        return seen[0] - start, seen[1] - seen[0]
     return seen[0] - start

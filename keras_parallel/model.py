@@ -70,9 +70,10 @@ class DistributedModel:
         unbind(self)
         super().compile(*args, **kwargs)
         if binding is not None:
-            # A built model is planned now, so a bad layout fails at compile;
-            # an unbuilt one is planned once fit has built it.
-            binding.prepare(self)
+            # A bad layout fails at compile (the plan is checked, and
+            # applied as the first run begins).
+            if self.built and not binding.unchosen():
+                binding.resolve(self)
             state_of(self).binding = binding
 
     def __reduce__(self):

@@ -62,11 +62,13 @@ def run_case(out, mode):
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3), loss="mse", distribution=distribution
     )
-    processes.fetch = fetch
     x, y = wide_data(640)
     weights = {}
     for steps, rows in ((1, slice(0, 64)), (10, slice(64, 640))):
         model.fit(x[rows], y[rows], batch_size=64, shuffle=False, verbose=0)
+        # What applying the plan fetched (as the first fit began), not what
+        # gathering the weights below does.
+        processes.fetch = fetch
         weights[f"step{steps}"] = model.get_weights()  # Whole, every process.
     for name, values in weights.items():
         np.savez(os.path.join(out, f"{name}_{process}.npz"), *values)

@@ -238,12 +238,12 @@ def test_nested_layer_output_key_by_path_suffix():
         loss="mse",
         distribution=keras.distribution.ModelParallel(layout_map=layout_map),
     )
+    x, y = regression_data(64)
+    model.fit(x, y, batch_size=32, verbose=0)
     plan = binding_of(model).plan
     assert [(o.key, o.path) for o in plan.outputs] == [
         ("d2/output", "net/block/d2/output")
     ]
-    x, y = regression_data(64)
-    model.fit(x, y, batch_size=32, verbose=0)
     assert model.block.d1.kernel.value.sharding.spec == P(None, "model")
 
 

@@ -345,7 +345,7 @@ def built_and_compiled(monkeypatch, in_scope):
 def test_built_in_scope_device_holds_its_shards_and_one_variable(monkeypatch):
     model, peak = built_and_compiled(monkeypatch, in_scope=True)
     binding = binding_of(model)
-    binding.prepare(model)  # The plan with the optimizer's slots.
+    binding.apply(model)  # The plan with the optimizer's slots.
     plan = binding.plan
     largest = max(v.bytes_total for v in plan.variables)
     bound = plan.bytes_per_device() + largest

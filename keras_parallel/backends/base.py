@@ -52,13 +52,13 @@ class Executor(abc.ABC):
     1. `check(distribution)` when the distribution is given (at `compile`,
        or when a `ShardingCallback` is made): refuse what this backend
        cannot do, before anything is touched.
-    2. `apply(model, plan)` once the model, its optimizer and metrics are
-       built (at `compile` for a built model, else at the first `fit`,
-       `evaluate` or `predict`), and again if the variables changed.
-    3. `scope(model)` around every Keras entry point (`fit`, `evaluate`,
+    2. `scope(model)` around every Keras entry point (`fit`, `evaluate`,
        `predict`, `*_on_batch`): what must be in force while Keras's trainer
-       runs; inside it, `planned_scope(model)` whenever a plan is applied,
-       from the moment it is.
+       runs.
+    3. `apply(model, plan)` inside it, once the model, its optimizer and
+       metrics are built (as the run begins, or once Keras has built them),
+       and again if the variables changed; then `planned_scope(model)`, for
+       the rest of the entry point.
     4. `release(model)` when the model goes back to one device
        (`compile(distribution=None)`): undo `apply`.
 

@@ -18,7 +18,7 @@ class Binding:
     """Applies one distribution to one model, for either door.
 
     The binding lasts as long as the model is distributed: it holds the plan
-    and the saving the plan needs (from `apply_if_changed` to `release`).
+    and the saving the plan needs (from `apply` to `release`).
     What is in force while an entry point runs is a `run.Run`'s, the one in
     `run` while it runs.
 
@@ -67,13 +67,16 @@ class Binding:
         """The plan for `model` as it is now, validated, applied to nothing."""
         return resolve_plan_for(self.distribution, model, self.executor)
 
-    def prepare(self, model):
-        """Plans and applies the distribution if the model's variables changed.
+    def apply(self, model):
+        """Applies a new plan if the model's variables changed; nothing
+        before `Auto` has chosen or while the model is unbuilt.
 
-        Inside a run, through the run: the rest of it runs under the plan.
+        A run calls it (`Run` plans as it begins and once Keras has built
+        the model), and so does reading an Orbax checkpoint into the plan's
+        layouts; nothing else plans.
 
         Args:
-            model: the `keras.Model`; nothing happens until it is built.
+            model: the `keras.Model`.
 
         Returns:
             True if a new plan was applied.
@@ -82,13 +85,6 @@ class Binding:
             ShardingError: the distribution does not fit the model. Nothing
                 was moved.
         """
-        if self.run is not None and self.run.model is model:
-            return self.run.plan()
-        return self.apply_if_changed(model)
-
-    def apply_if_changed(self, model):
-        """Applies a new plan if the model's variables changed (`prepare`,
-        outside a run's scopes); nothing before `Auto` has chosen."""
         if not model.built or self.unchosen():
             return False
         signature = variables_signature(model)
@@ -189,7 +185,7 @@ class Binding:
                 inputs = self.executor.step_inputs(kind, args)
                 if inputs is not None:
                     build_from_inputs(model, inputs)
-                    if self.prepare(model):
+                    if self.run.model_built():
                         # Keras 3.16 binds `predict_step` as it makes the
                         # function: made again, it runs the planned step.
                         model.make_predict_function(force=True)

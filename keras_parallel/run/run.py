@@ -6,7 +6,6 @@ calls), made alike by both doors: `DistributedModel`'s entry points and
 while Keras's trainer runs, in one exit stack:
 
     entered, in this order                  left, in the reverse order
-    0. the plan applied, if the model is built (before any scope)
     1. the run's callback-list handler      (plans the model Keras built)
     2. the executor's `scope(model)`        (backend state, failure report)
     3. exact backups (`BackupAndRestore`)
@@ -16,12 +15,14 @@ while Keras's trainer runs, in one exit stack:
        when a newer plan is: the older one's left first)
     6. the door's own overrides (a callback's whole-file saving)
 
-The plan is applied before Keras's loop: at once if the model is built, else
-the moment Keras has built it, which is when Keras makes the run's callback
-list (`fit`, `evaluate`, `predict`) or, for the `*_on_batch` calls, by
-Keras's own build from the batch, called first here. One
-path builds later, inside its first step (torch's `predict` of an unbuilt
-model): the binding plans it there, through this run (`Binding.prepare`).
+A run plans its model in one place (`_plan`), at two moments: as it begins
+(after 4), if the model is built (for the `*_on_batch` calls, once Keras's
+own build from the batch, called first here, has built it); else once
+Keras has built it (`model_built`), which is when Keras makes the run's
+callback list (`fit`, `evaluate`, `predict`), or, where Keras builds only
+inside the first step (torch's `predict`, TensorFlow's `predict_on_batch`),
+in that step (`Binding.wrap_steps`). A bad layout is refused before Keras's
+loop, and every part entered is left knowing the error.
 
 While an exception unwinds, every part is left knowing it (no collective
 runs: another process may never reach it); a preemption is such an exception
@@ -83,10 +84,6 @@ class Run:
                 "a second run entered inside it; an entry point inside a run "
                 "runs in the outer run."
             )
-        # A built model is planned first, outside the scopes, as at `compile`
-        # and as a `ShardingCallback` is handed it: a bad layout is refused
-        # before anything is entered.
-        binding.apply_if_changed(model)
         stack = contextlib.ExitStack()
         try:
             stack.callback(callback_lists.add_handler(self._list_made))
@@ -103,7 +100,7 @@ class Run:
             stack.push(self._leave_plan)
             if self._build is not None:
                 self._build()
-            self.plan()
+            self._plan()
             for start in self._overrides:
                 stack.callback(start())
         except BaseException as error:
@@ -122,9 +119,10 @@ class Run:
         """Ends the run as on success (a callback's run ended by its hooks)."""
         self.__exit__(None, None, None)
 
-    def plan(self):
-        """Applies the plan if the model's variables changed since the last,
-        and puts the plan's `planned_scope` in force for the rest of the run.
+    def model_built(self):
+        """Plans the model Keras has built inside this run: when Keras makes
+        the run's callback list (`fit`, `evaluate`, `predict`), or in the
+        first step of torch's `predict` (`Binding.wrap_steps`).
 
         Returns:
             True if a new plan was applied.
@@ -133,9 +131,14 @@ class Run:
             ShardingError: the distribution does not fit the model (nothing
                 was moved).
         """
-        applied = self.binding.apply_if_changed(self.model)
+        return self._plan()
+
+    def _plan(self):
+        # The one planning of a run: the plan applied if the model's
+        # variables changed, and its `planned_scope` in force for the rest of
+        # the run (an older plan's scope left first).
+        applied = self.binding.apply(self.model)
         if applied:
-            # The older plan's scope is left before the newer's is entered.
             self._leave_plan(None, None, None)
         if self.binding.plan is not None and self._planned is None:
             planned = contextlib.ExitStack()
@@ -147,7 +150,7 @@ class Run:
         # Keras makes a run's callback list once it has built the model,
         # optimizer and metrics, before it makes the step function.
         if callback_list.model is self.model:
-            self.plan()
+            self.model_built()
 
     def _leave_plan(self, error_type, error, traceback):
         planned, self._planned = self._planned, None

@@ -32,6 +32,15 @@ def restore(model, path):
             "first (call it on a batch, or `model.build(input_shape)`)."
         )
     _build_optimizer(model)
+    binding = binding_of(model)
+    if binding is not None:
+        # Each array is read into its variable's layout: the plan is applied
+        # first (the step counter and learning rate of an optimizer just
+        # built join it, replicated); inside a run, through the run.
+        if binding.run is not None:
+            binding.run.model_built()
+        else:
+            binding.apply(model)
     # Under the caller's `orbax.checkpoint.v1.Context`, if any.
     saved = _ocp.metadata(path, checkpointable_name="pytree").metadata
     pairs = _match(model, saved, path)
@@ -49,10 +58,6 @@ def _build_optimizer(model):
     if optimizer is None or optimizer.built:
         return
     optimizer.build(model.trainable_variables)
-    binding = binding_of(model)
-    if binding is not None:
-        # The step counter and learning rate join the plan (replicated).
-        binding.prepare(model)
 
 
 def _groups(model):
