@@ -70,10 +70,10 @@ class DistributedModel:
         unbind(self)
         super().compile(*args, **kwargs)
         if binding is not None:
-            # A bad layout fails at compile (the plan is checked, and
-            # applied as the first run begins).
-            if self.built and not binding.unchosen():
-                binding.resolve(self)
+            # A built model is planned now: a bad layout fails at compile,
+            # and `load_weights` reads into the plan's layouts. An unbuilt
+            # one is planned by its first run.
+            binding.apply(self)
             state_of(self).binding = binding
 
     def __reduce__(self):

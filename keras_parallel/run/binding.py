@@ -71,9 +71,9 @@ class Binding:
         """Applies a new plan if the model's variables changed; nothing
         before `Auto` has chosen or while the model is unbuilt.
 
-        A run calls it (`Run` plans as it begins and once Keras has built
-        the model), and so does reading an Orbax checkpoint into the plan's
-        layouts; nothing else plans.
+        `compile` calls it for a built model, a run (`Run` plans as it
+        begins and once Keras has built the model), and reading an Orbax
+        checkpoint into the plan's layouts; nothing else plans.
 
         Args:
             model: the `keras.Model`.
