@@ -59,16 +59,6 @@ def _set_params(callback_list, params):
         handler(callback_list)
 
 
-def _tracked(callback_list):
-    """Does nothing: registered, it makes `_set_params` see every list."""
-
-
-def track_lists():
-    """Records every list made until the returned function is called, so that
-    a handler added later in the run can be given the run's list."""
-    return add_handler(_tracked)
-
-
 def remove_callbacks(callback_list, kinds):
     """Takes the callbacks of `kinds` (a class or tuple) out of `callback_list`.
 
