@@ -446,6 +446,24 @@ def test_tensorflow_predict_first_chooses():
     assert isinstance(model.distribution, keras_parallel.DataParallel)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow chooses at entry")
+def test_tensorflow_refuses_auto_for_an_unbuilt_model_before_anything_runs():
+    class Subclassed(Net):
+        def __init__(self):
+            super().__init__()
+            self.d1 = keras.layers.Dense(OUTPUTS)
+
+        def call(self, x):
+            return self.d1(x)
+
+    model = _compile(Subclassed(), keras_parallel.Auto(device_memory="1GiB"))
+    x, y = _data()
+    with pytest.raises(ValueError, match="model.build\\(input_shape\\)"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert not model.built  # Nothing ran.
+    assert binding_of(model).run is None
+
+
 # ---------------------------------------------------------------- TensorFlow
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's one candidate")
 @pytest.mark.parametrize("door", ["model", "callback"])
