@@ -448,7 +448,7 @@ def test_tensorflow_predict_first_chooses():
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow chooses at entry")
 def test_tensorflow_refuses_auto_for_an_unbuilt_model_before_anything_runs():
-    class Subclassed(Net):
+    class Subclassed(keras_parallel.DistributedModel, keras.Model):
         def __init__(self):
             super().__init__()
             self.d1 = keras.layers.Dense(OUTPUTS)
