@@ -99,11 +99,26 @@ def test_a_process_making_its_part_of_a_divided_batch_is_named(capsys):
     # its part (`input/transport.py` marks it).
     _, clock, exits, watches = processes(2)
     run(watches, clock, 4, lambda rank, second: True)
-    watches[0].waits_for = 1
+    watches[0].wait_for(1)
     run(watches, clock, 60, lambda rank, second: False)
     assert exits == {0: STALLED_EXIT_CODE, 1: STALLED_EXIT_CODE}
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("keras_parallel: process 1 (host "), first
+
+
+def test_a_first_compile_that_ends_later_on_one_process_is_not_a_stall():
+    # Busy cores: both processes compile their first step; process 1's
+    # compile ends 25 s before process 0's, then it waits for process 0's
+    # part of the batch. Process 0 has not moved for longer than the
+    # timeout, but no one has waited for it that long: slow, not stalled.
+    _, clock, exits, watches = processes(2)
+    run(watches, clock, 4, lambda rank, second: True)
+    run(watches, clock, int(TIMEOUT) - 10, lambda rank, second: False)
+    watches[1].wait_for(0)
+    run(watches, clock, 25, lambda rank, second: False)
+    watches[1].wait_for(None)
+    run(watches, clock, 20, lambda rank, second: True)
+    assert exits == {}
 
 
 class FirstValueStore(LocalStore):
@@ -177,22 +192,23 @@ def test_a_process_that_published_nothing_is_not_named():
 
 
 def test_positions_name_who_is_behind():
-    at = {"moves": 8}
-    assert stall_positions.stalled_processes({0: at, 1: {"moves": 7}, 2: at}) == [1]
-    assert stall_positions.stalled_processes({0: at, 1: at}) == []
-    waits = {"moves": 8, "waits_for": 2}
-    assert stall_positions.stalled_processes({0: waits, 1: waits, 2: at}) == [2]
+    stalled = stall_positions.stalled_processes
+    at = {"moves": 8, "waited": 1}
+    assert stalled({0: at, 1: {"moves": 7}, 2: at}) == [1]
+    assert stalled({0: at, 1: at}) == []
+    # Ahead, but not yet for the timeout: no one is named.
+    assert stalled({0: {"moves": 8}, 1: {"moves": 7}}) == []
+    waits = {"moves": 8, "waits_for": 2, "waited": 1}
+    assert stalled({0: waits, 1: waits, 2: at}) == [2]
+    # Waiting, but not yet for the timeout: no one is named.
+    assert stalled({0: {"moves": 8, "waits_for": 1}, 1: at}) == []
     # In a collective of every process (a step's, an exchange of batches):
     # those not in it are named.
-    every = {"moves": 8, "waits_for": stall_positions.EVERY_PROCESS}
-    assert stall_positions.stalled_processes({0: every, 1: at, 2: every}) == [1]
+    every = {"moves": 8, "waits_for": stall_positions.EVERY_PROCESS, "waited": 1}
+    assert stalled({0: every, 1: at, 2: every}) == [1]
     # Two processes waiting for each other's parts: neither is named.
-    assert (
-        stall_positions.stalled_processes(
-            {0: {"moves": 8, "waits_for": 1}, 1: {"moves": 8, "waits_for": 0}}
-        )
-        == []
-    )
+    each_other = {0: dict(waits, waits_for=1), 1: dict(waits, waits_for=0)}
+    assert stalled(each_other) == []
 
 
 def test_without_the_launcher_each_waiting_process_points_to_the_report(capsys):

@@ -63,6 +63,7 @@ def decode_record(text):
         "pid": int,
         "waiting": str,
         "waits_for": int,
+        "waited": int,
     }
     clean = {}
     for key, kind in kinds.items():
@@ -98,22 +99,28 @@ def stalled_processes(positions):
     """The ranks that stalled, from every process's record, by rank.
 
     A process is behind when another has moved further through Keras's loop
-    (finished a step it has not). Where none is, the processes the others
-    wait for at the same step, which wait for no one themselves, are: the
-    others are in the step's collective, or in the exchange of a divided
-    batch (`EVERY_PROCESS`), or wait for one process's part of a batch,
-    while these are not (making their batch, drawing their data).
+    (finished a step it has not) and has waited for the timeout since
+    (`waited`). Where none is, the processes that others have waited for at
+    the same step for the timeout, which wait for no one themselves, are:
+    the others are in the step's collective, or in the exchange of a
+    divided batch (`EVERY_PROCESS`), or wait for one process's part of a
+    batch, while these are not (making their batch, drawing their data).
+    A wait shorter than the timeout names no one: on busy cores one
+    process's first compile may end long before another's.
     """
-    furthest = max(p["moves"] for p in positions.values())
-    behind = sorted(r for r, p in positions.items() if p["moves"] < furthest)
+    behind = sorted(
+        rank
+        for rank, p in positions.items()
+        if any(q["moves"] > p["moves"] and q.get("waited") for q in positions.values())
+    )
     if behind:
         return behind
     waiting = {
         rank: p["waits_for"]
         for rank, p in positions.items()
-        if p.get("waits_for") is not None
+        if p.get("waits_for") is not None and p.get("waited")
     }
-    free = {rank for rank in positions if rank not in waiting}
+    free = {rank for rank, p in positions.items() if p.get("waits_for") is None}
     stalled = set()
     for target in waiting.values():
         if target == EVERY_PROCESS:

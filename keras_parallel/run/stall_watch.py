@@ -9,8 +9,9 @@ heartbeat's tick (`run/heartbeat.py`): no collective, about one request a
 second per process, shared with the preemption's stop agreement.
 
 A process whose position has not moved for the stall timeout reads every
-process's. If some process is behind the furthest (the others finished a
-step it has not, and wait for it), that process has stalled:
+process's. If some process is behind one that has waited for the timeout
+(finished a step it has not, and not moved since), or some process has
+waited for the timeout for its part of a batch, that process has stalled:
 
 - the stalled process prints the report: its rank, host and pid, the epoch
   and batch it stopped in and for how long; its Python stack, every
@@ -20,7 +21,9 @@ step it has not, and wait for it), that process has stalled:
   same command resumes.
 
 Every process alike slow (a long first compile, a slow save at an epoch's
-end on every process) is no stall: no process is behind.
+end on every process) is no stall: no process is behind, or none has
+waited for the timeout for it (on busy cores one process's compile may end
+a minute before another's: the other is slow, not stalled).
 
 Through `keras-parallel launch` the report is the only one; under another
 launcher (torchrun, srun, mpirun) each waiting process also prints one line
@@ -127,6 +130,7 @@ class StallWatch:
         self.event = ""
         #: The process whose part of a divided batch this one waits for.
         self.waits_for = None
+        self._waits_since = None
         self._moved_at = clock()
         self._published = None
         self._ticks = 0
@@ -151,6 +155,21 @@ class StallWatch:
                 self.epoch = epoch
         self._moved_at = self.clock()
 
+    def wait_for(self, owner):
+        """Marks this process as waiting for process `owner` (None: no
+        longer waiting): `waiting_for` calls it."""
+        self.waits_for = owner
+        self._waits_since = None if owner is None else self.clock()
+
+    def _waited(self, now):
+        """Whether this process has waited for the timeout: for its part of
+        a batch since that wait began, else since it last moved (ahead of
+        another, it waits in the step's collective)."""
+        since = self._moved_at
+        if self.waits_for is not None and self._waits_since is not None:
+            since = self._waits_since
+        return now - since >= self.timeout
+
     # ------------------------------------------------- heartbeat thread
     def tick(self):
         """One heartbeat: publish a moved position every other tick (the
@@ -163,11 +182,11 @@ class StallWatch:
         if self._ended:
             return False
         self._ticks += 1
-        position = (self.moves, self.waits_for)
+        now = self.clock()
+        position = (self.moves, self.waits_for, self._waited(now))
         if position != self._published and self._ticks % 2 == 0:
             self._published = position
             self._replace(self._key("position", self.rank), self._record())
-        now = self.clock()
         if now - self._moved_at < self.timeout:
             self._next_look = None
         elif self._next_look is None or now >= self._next_look:
@@ -187,6 +206,8 @@ class StallWatch:
             record["batch"] = self.batch
         if self.waits_for is not None:
             record["waits_for"] = self.waits_for
+        if self._waited(self.clock()):
+            record["waited"] = 1
         record.update(extra)
         return json.dumps(record)
 
@@ -336,11 +357,11 @@ def waiting_for(owner):
     if watch is None:
         yield
         return
-    watch.waits_for = owner
+    watch.wait_for(owner)
     try:
         yield
     finally:
-        watch.waits_for = None
+        watch.wait_for(None)
 
 
 class StallWatchPart:
