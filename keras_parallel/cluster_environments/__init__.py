@@ -101,12 +101,7 @@ def joined_environment():
 def describe_joined():
     """The plan's line (never raises): the environment joined by, else detected."""
     env = joined_environment()
-    if env is None:
-        return describe_environment()
-    try:
-        return env.describe()
-    except ClusterEnvironmentError as error:
-        return f"{env.name}, misconfigured: {error}"
+    return describe_environment() if env is None else _describe(env)
 
 
 def describe_environment(environ=None):
@@ -119,6 +114,10 @@ def describe_environment(environ=None):
     env = detect_cluster_environment(environ)
     if env is None:
         return "none (a bare machine: use keras-parallel launch)"
+    return _describe(env)
+
+
+def _describe(env):
     try:
         return env.describe()
     except ClusterEnvironmentError as error:

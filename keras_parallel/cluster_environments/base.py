@@ -86,6 +86,10 @@ class ClusterEnvironment:
     @classmethod
     def detect(cls, environ=None):
         """Whether the process was started in this environment."""
+        return cls._detect(os.environ if environ is None else environ)
+
+    @classmethod
+    def _detect(cls, environ):
         raise NotImplementedError
 
     def _get(self, variable):

@@ -2,9 +2,7 @@
 
 import json
 
-from keras_parallel.cluster_environments.base import (
-    host_port,
-)
+from keras_parallel.cluster_environments.base import host_port
 from keras_parallel.cluster_environments.keras_distribution import (
     KerasDistributionEnvironment,
 )
@@ -55,14 +53,11 @@ def environment_variables(env, backend):
         return variables
     if backend == "jax":
         arguments = jax_initialize_arguments(env)
+        keras = KerasDistributionEnvironment
         return {
-            KerasDistributionEnvironment.ADDRESSES_VAR: arguments[
-                "coordinator_address"
-            ],
-            KerasDistributionEnvironment.WORLD_SIZE_VAR: str(
-                arguments["num_processes"]
-            ),
-            KerasDistributionEnvironment.RANK_VAR: str(arguments["process_id"]),
+            keras.ADDRESSES_VAR: arguments["coordinator_address"],
+            keras.WORLD_SIZE_VAR: str(arguments["num_processes"]),
+            keras.RANK_VAR: str(arguments["process_id"]),
         }
     if backend == "tensorflow":
         config = {

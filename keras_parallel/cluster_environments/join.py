@@ -35,9 +35,7 @@ def join(backend):
     if _failure is not None:
         raise _failure
     try:
-        placed = None
-        if may_join():
-            placed = _JOINS.get(backend, _nothing)()
+        placed = _JOINS.get(backend, lambda: None)() if may_join() else None
     except Exception as error:
         _failure = _join_error(error)
         raise _failure from error
@@ -47,14 +45,10 @@ def join(backend):
 
 
 def may_join(environ=None):
-    """Whether this process may join a cluster from its variables.
-
-    Args:
-        environ: the variables to read; `os.environ` when None.
-
-    Returns:
-        False where `KERAS_PARALLEL_CLUSTER=off`, in a `multiprocessing`
-        child, and where `KERAS_PARALLEL_JOINED_PID` names another process.
+    """Whether this process may join a cluster from its variables (`environ`,
+    default `os.environ`): not where `KERAS_PARALLEL_CLUSTER=off`, in a
+    `multiprocessing` child, nor where `KERAS_PARALLEL_JOINED_PID` names
+    another process.
 
     Raises:
         ClusterEnvironmentError: `KERAS_PARALLEL_CLUSTER` is neither `off`
@@ -74,10 +68,6 @@ def may_join(environ=None):
 def _mark_joined():
     # In the environment, so that every child started from now inherits it.
     os.environ[JOINED_PID_VAR] = str(os.getpid())
-
-
-def _nothing():
-    return None
 
 
 def _join_jax():

@@ -1,7 +1,5 @@
 """Keras's own `KERAS_DISTRIBUTION_*` (`keras.distribution.initialize`)."""
 
-import os
-
 from keras_parallel.cluster_environments.base import (
     ClusterEnvironment,
     environment_error,
@@ -23,8 +21,7 @@ class KerasDistributionEnvironment(ClusterEnvironment):
     RANK_VAR = "KERAS_DISTRIBUTION_PROCESS_ID"
 
     @classmethod
-    def detect(cls, environ=None):
-        environ = os.environ if environ is None else environ
+    def _detect(cls, environ):
         variables = (cls.ADDRESSES_VAR, cls.WORLD_SIZE_VAR, cls.RANK_VAR)
         return any(environ.get(v) for v in variables)
 

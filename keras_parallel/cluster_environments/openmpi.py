@@ -1,7 +1,5 @@
 """Open MPI's `mpirun`: `OMPI_COMM_WORLD_*`."""
 
-import os
-
 from keras_parallel.cluster_environments.base import (
     ClusterEnvironment,
     environment_error,
@@ -26,8 +24,7 @@ class OpenMPIEnvironment(ClusterEnvironment):
     DEFAULT_PORT = 29500
 
     @classmethod
-    def detect(cls, environ=None):
-        environ = os.environ if environ is None else environ
+    def _detect(cls, environ):
         return bool(environ.get(cls.WORLD_SIZE_VAR))
 
     def _single_host(self):

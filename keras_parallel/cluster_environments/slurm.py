@@ -46,13 +46,12 @@ class SlurmEnvironment(ClusterEnvironment):
     PORT_BASE = 15000
 
     @classmethod
-    def detect(cls, environ=None):
+    def _detect(cls, environ):
         """Whether this process is a task of an `srun` step.
 
         Outside one, a `SLURM_NTASKS` above 1 warns once and the process runs
         alone: waiting for tasks nobody started would hang the import.
         """
-        environ = os.environ if environ is None else environ
         if cls.in_srun_step(environ):
             return True
         _warn_if_several_tasks_were_meant(environ)

@@ -93,7 +93,7 @@ class TFConfigEnvironment(ClusterEnvironment):
     RANK_VAR = "TF_CONFIG's task.index"
 
     @classmethod
-    def detect(cls, environ=None):
+    def _detect(cls, environ):
         return len(cluster_workers(environ)[0]) > 1
 
     def world_size(self):

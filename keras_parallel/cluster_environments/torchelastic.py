@@ -1,7 +1,5 @@
 """torchrun and Kubeflow's PyTorchJob: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`."""
 
-import os
-
 from keras_parallel.cluster_environments.base import (
     ClusterEnvironment,
     environment_error,
@@ -23,8 +21,7 @@ class TorchElasticEnvironment(ClusterEnvironment):
     LOCAL_RANK_VAR = "LOCAL_RANK"
 
     @classmethod
-    def detect(cls, environ=None):
-        environ = os.environ if environ is None else environ
+    def _detect(cls, environ):
         return bool(environ.get("RANK") and environ.get("WORLD_SIZE"))
 
     def node_rank(self):

@@ -58,29 +58,22 @@ def input_line(kind, divided, processes, how=None):
     )
 
 
-def made_in_order(dataset):
-    """Whether Keras makes a `PyDataset`'s batches one by one, in its order.
+def shareable_pydataset(adapter):
+    """Whether the processes can make a `PyDataset`'s batches round-robin.
 
-    With several workers Keras's enqueuer shuffles on its own thread and goes
-    on from where an earlier iteration stopped, an order no process could
-    reproduce; such a dataset is read whole by every process.
+    Only where Keras makes them one by one, in order: with several workers
+    its enqueuer shuffles on its own thread and goes on from where an earlier
+    iteration stopped, an order no process could reproduce (such a dataset is
+    read whole by every process). And not where Keras 3.16 shards them
+    between processes itself (`_num_data_shards`): each reads its own already.
     """
+    dataset = adapter.py_dataset
     return (
         dataset.num_batches is not None
         and int(dataset.workers or 0) <= 1
         and not dataset.use_multiprocessing
+        and int(getattr(adapter, "_num_data_shards", 1) or 1) <= 1
     )
-
-
-def sharded_by_keras(adapter):
-    """Whether Keras 3.16 shards a `PyDataset`'s batches between processes
-    itself (`_num_data_shards`): each process then reads its own already."""
-    return int(getattr(adapter, "_num_data_shards", 1) or 1) > 1
-
-
-def shareable_pydataset(adapter):
-    """Whether the processes can make a `PyDataset`'s batches round-robin."""
-    return made_in_order(adapter.py_dataset) and not sharded_by_keras(adapter)
 
 
 def epoch_order(adapter, num_batches):

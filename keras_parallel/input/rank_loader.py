@@ -32,8 +32,7 @@ def rank_loader(loader, rows_of):
         A `DataLoader`; its `batch_sampler.sizes` holds the global sizes of
         the batches drawn and not yet loaded, this iteration.
     """
-    sampler = _RankBatchSampler(loader.batch_sampler, rows_of)
-    return _like(loader, sampler)
+    return _like(loader, _RankBatchSampler(loader.batch_sampler, rows_of))
 
 
 class _RankBatchSampler:

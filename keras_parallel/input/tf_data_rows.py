@@ -70,8 +70,7 @@ def rows_dataset(dataset, rows_of):
         return None  # Where the last, partial, batch falls is unknown.
     full = count // size if count >= 0 else -1  # -1: every batch full.
     last = count % size if count >= 0 and not drop else 0
-    rows = [size, last or size]
-    full_ranges, last_ranges = (_own(rows_of, n) for n in rows)
+    full_ranges, last_ranges = _own(rows_of, size), _own(rows_of, last or size)
 
     def batch_of(index):
         return index // size
@@ -136,9 +135,7 @@ def _batch_and_maps(dataset):
     while type(node).__name__ in _MAPS:
         maps.append(node)
         node = node._input_dataset
-    if not maps:
-        return None
-    return batch, maps
+    return (batch, maps) if maps else None
 
 
 def _map_again(own, map_dataset):

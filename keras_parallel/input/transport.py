@@ -93,9 +93,8 @@ class Handout:
         where = f"{key!r} from {self.who} {owner}"
         if self.scatter_bytes is not None:
             payloads = None if parts is None else [wire.encode(p) for p in parts]
-            # A collective: the owner waits for every process to join it
-            # (one asleep making its own part is the stall), the others
-            # for the owner.
+            # A collective: the owner waits for every process (one asleep
+            # making its own part is the stall), the others for the owner.
             waits_for = owner if parts is None else EVERY_PROCESS
             with stall_watch.waiting_for(waits_for):
                 payload = self.scatter_bytes(payloads, owner)

@@ -35,16 +35,9 @@ _READ_TIMEOUT_S = 60
 
 
 def loopback_options(torchrun_options):
-    """torchrun's options for a one-node run on loopback, in place of
-    `--standalone`.
-
-    Args:
-        torchrun_options: the user's options (before the script), which may
-            give `--local-addr` (kept: it must be this machine's loopback).
-
-    Returns:
-        A list of torchrun options.
-    """
+    """torchrun's options (a list) for a one-node run on loopback, in place
+    of `--standalone`. A `--local-addr` among the user's `torchrun_options`
+    (before the script) is kept: it must be this machine's loopback."""
     out = [
         "--rdzv-backend",
         BACKEND,
@@ -64,16 +57,9 @@ def loopback_options(torchrun_options):
 
 
 def static_options(torchrun_options):
-    """torchrun's options for its static rendezvous (`--master-addr`,
-    `--master-port`, `--node-rank`), with node 0's store bound to the
-    master address: `STATIC` in their place.
-
-    Args:
-        torchrun_options: the user's options (before the script).
-
-    Returns:
-        A list of torchrun options.
-    """
+    """The user's `torchrun_options` (before the script), with `STATIC` in
+    place of torchrun's static rendezvous (`--master-addr`, `--master-port`,
+    `--node-rank`): node 0's store bound to the master address."""
     values = {}
     rest = []
     names = {
@@ -128,15 +114,9 @@ def register():
 
 
 def create_static_handler(params):
-    """torch's static rendezvous, node 0's store bound to the master address.
-
-    Args:
-        params: torch's `RendezvousParameters` (`--rdzv-endpoint A:P`,
-            `--rdzv-conf rank=R`).
-
-    Returns:
-        A `StaticTCPRendezvous` whose store, on node 0, listens on A only.
-    """
+    """torch's static rendezvous for `params` (`RendezvousParameters` of
+    `--rdzv-endpoint A:P --rdzv-conf rank=R`): a `StaticTCPRendezvous` whose
+    store, on node 0, listens on A only."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 
@@ -202,14 +182,10 @@ def bound_listener(address, port):
 
 
 def create_handler(params):
-    """torch's c10d rendezvous, on a store listening on 127.0.0.1 only.
-
-    Args:
-        params: torch's `RendezvousParameters` (the `--rdzv-*` options).
-
-    Returns:
-        A `DynamicRendezvousHandler` whose ranks share its store.
-    """
+    """torch's c10d rendezvous for `params` (`RendezvousParameters` of the
+    `--rdzv-*` options): a `DynamicRendezvousHandler` on a store listening on
+    127.0.0.1 only, which its ranks share."""
+    import torch
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
@@ -222,7 +198,7 @@ def create_handler(params):
         raise RuntimeError(
             "this torch's rendezvous opens the ranks' store in a way "
             "keras-parallel launch cannot keep on loopback. Received: torch "
-            f"{_torch_version()} (no DynamicRendezvousHandler."
+            f"{torch.__version__} (no DynamicRendezvousHandler."
             "_create_tcp_store_server); use the torch keras_parallel is tested on (2.13), or pass "
             "--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT (every interface)."
         )
@@ -267,9 +243,3 @@ def create_handler(params):
         keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
     )
-
-
-def _torch_version():
-    import torch
-
-    return torch.__version__

@@ -44,6 +44,8 @@ BACKENDS = ("jax", "tensorflow", "torch")
 #: torchrun's words for `--nproc-per-node`: one process per device of a kind.
 _DEVICE_COUNTS = ("auto", "cpu", "gpu", "xpu")
 
+#: torchrun's options that run a module or a program, not a script's path.
+_PROGRAM_OPTIONS = {"-m", "--module", "--no-python", "--no_python"}
 #: Options that choose a rendezvous; without any, torchrun runs `--standalone`.
 _RENDEZVOUS_OPTIONS = (
     "--standalone",
@@ -278,14 +280,13 @@ def _signals_left_to_launcher(torchrun_args, script):
 
 def _through_bootstrap(torchrun_args, script):
     """Runs the script through `keras_parallel.launcher.bootstrap` (`-m`)."""
-    modes = {"-m", "--module", "--no-python", "--no_python"}
-    if modes.intersection(torchrun_args):
+    if not _PROGRAM_OPTIONS.isdisjoint(torchrun_args):
         return torchrun_args  # The user's own module or program.
     at = torchrun_args.index(script)
     return (
         torchrun_args[:at]
         + ["-m", "keras_parallel.launcher.bootstrap"]
-        + (torchrun_args[at:])
+        + torchrun_args[at:]
     )
 
 
@@ -374,8 +375,8 @@ def _check(torchrun_args, script):
                     f"{', '.join(_DEVICE_COUNTS)})."
                 ) from None
             check_positive("--nproc", count)
-    modes = {"-m", "--module", "--no-python", "--no_python"}
-    check_script(script, torchrun_args, is_path=not modes.intersection(torchrun_args))
+    is_path = _PROGRAM_OPTIONS.isdisjoint(torchrun_args)
+    check_script(script, torchrun_args, is_path=is_path)
 
 
 def _torchrun_args(argv):
@@ -406,13 +407,5 @@ def _torchrun_args(argv):
 
 def _takes_value(option):
     # torchrun options that are flags; every other option takes a value.
-    flags = {
-        "--standalone",
-        "--no-python",
-        "--no_python",
-        "--run-path",
-        "--run_path",
-        "-m",
-        "--module",
-    }
+    flags = {"--standalone", "--run-path", "--run_path", *_PROGRAM_OPTIONS}
     return option.startswith("-") and "=" not in option and option not in flags

@@ -7,14 +7,9 @@ set-up before its runtime starts (TensorFlow's logical devices) gets it here.
 
 
 def demo_processes(backend, num_devices):
-    """The number of processes to start (1: train in this one).
-
-    Args:
-        backend: the Keras backend name.
-        num_devices: the devices to simulate where there is no accelerator.
-
-    Returns:
-        An int; above 1, the demo starts them with `keras_parallel.launch`.
+    """The number of processes to start on `backend` (1: train in this one;
+    above 1, the demo starts them with `keras_parallel.launch`), with
+    `num_devices` devices simulated where there is no accelerator.
 
     Raises:
         RuntimeError: TensorFlow's runtime already started with fewer devices.

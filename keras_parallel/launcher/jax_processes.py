@@ -27,16 +27,14 @@ def commands(args, base_env=None, held_port=False):
     bind = host_port(args.master_addr, port)
     out = []
     for local in range(nproc):
-        env = dict(
-            base,
-            KERAS_BACKEND="jax",
-            **{
-                runtime.ADDRESS_ENV: f"{args.master_addr}:{port}",
-                runtime.COUNT_ENV: str(nproc * nnodes),
-                runtime.ID_ENV: str(args.node_rank * nproc + local),
-                "JAX_COORDINATOR_BIND_ADDRESS": bind,
-            },
-        )
+        env = {
+            **base,
+            "KERAS_BACKEND": "jax",
+            runtime.ADDRESS_ENV: f"{args.master_addr}:{port}",
+            runtime.COUNT_ENV: str(nproc * nnodes),
+            runtime.ID_ENV: str(args.node_rank * nproc + local),
+            "JAX_COORDINATOR_BIND_ADDRESS": bind,
+        }
         if held_port:
             env[HELD_PORT_VAR] = str(port)
         if args.devices_per_process:

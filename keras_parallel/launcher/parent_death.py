@@ -21,31 +21,20 @@ _PR_SET_PDEATHSIG = 1
 
 
 def mark_launcher(env):
-    """`env`, naming this process as the launcher of the process it starts.
-
-    Args:
-        env: the environment a launched process gets (changed in place).
-
-    Returns:
-        `env`.
-    """
+    """`env`, the environment a launched process gets (changed in place),
+    naming this process as its launcher."""
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
 
 
 def end_with_launcher(environ=None):
-    """Asks for SIGKILL when the launcher that started this process ends.
+    """Asks for SIGKILL when the launcher that started this process ends;
+    returns whether the kernel will end this process with its launcher.
 
-    The launcher is the process named by `KERAS_PARALLEL_LAUNCHER_PID`; a
-    process started otherwise (no such variable) is left alone. If this
-    process's parent is no longer that launcher (it ended before the
-    request could be made), this process ends at once.
-
-    Args:
-        environ: the environment to read (default `os.environ`).
-
-    Returns:
-        Whether the kernel will end this process with its launcher.
+    The launcher is the process named by `KERAS_PARALLEL_LAUNCHER_PID` in
+    `environ` (default `os.environ`); a process started otherwise (no such
+    variable) is left alone. If this process's parent is no longer that
+    launcher (it ended before the request could be made), it ends at once.
     """
     environ = os.environ if environ is None else environ
     launcher = environ.get(LAUNCHER_PID_ENV, "")
@@ -57,14 +46,12 @@ def end_with_launcher(environ=None):
 
 
 def end_with_parent():
-    """Asks for SIGKILL when this process's parent ends (any parent).
+    """Asks for SIGKILL when this process's parent (any parent) ends;
+    returns whether the kernel will end this process with its parent.
 
     For processes started by `multiprocessing` (`keras_parallel.launch`),
     whose parent is the launching process or its fork server; a process
     already orphaned (adopted by init) ends at once.
-
-    Returns:
-        Whether the kernel will end this process with its parent.
     """
     if not _ask_for_sigkill():
         return False

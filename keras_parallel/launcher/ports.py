@@ -51,7 +51,9 @@ def free_port(host="127.0.0.1"):
 
 
 def hold_free_port(host="127.0.0.1"):
-    """A free port, held for this user's server until the socket is closed.
+    """A free port on `host` (where the server will bind), held for this
+    user's server: the bound `socket.socket` (its port: `getsockname()[1]`),
+    to close once the server is up or the run ended.
 
     The socket is bound with `SO_REUSEPORT` and does not listen: the kernel
     then refuses the port to every other bind (a program without
@@ -60,13 +62,6 @@ def hold_free_port(host="127.0.0.1"):
     No other local user can take the port between its choice and the
     server's bind. (TensorFlow's gRPC servers bind without `SO_REUSEPORT`:
     their ports cannot be held this way.)
-
-    Args:
-        host: the address the server will bind.
-
-    Returns:
-        The bound `socket.socket`; its port is `getsockname()[1]`. Close it
-        once the server is up or the run ended.
     """
     high = max(_ephemeral_low(), LOWEST_CHOSEN_PORT + 1000)
     for _ in range(200):
@@ -106,15 +101,12 @@ def loopback_listener():
 
 
 def gloo_on_loopback():
-    """Environment variables that keep torch's gloo sockets on loopback.
+    """Environment variables (`{name: value}`) that keep torch's gloo
+    sockets on loopback.
 
     torch's gloo listens on the address this machine's host name resolves
-    to; `GLOO_SOCKET_IFNAME` names the interface instead. An interface the
-    user set is kept.
-
-    Returns:
-        `{name: value}`, empty where the user set it or no loopback
-        interface is found.
+    to; `GLOO_SOCKET_IFNAME` names the interface instead. Empty where the
+    user set it (kept) or no loopback interface is found.
     """
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return {}
@@ -137,14 +129,8 @@ def host_name_address():
 def warn_if_gloo_reachable(who, resolve=host_name_address):
     """Says once, on stderr, that JAX's gloo collectives will listen beyond
     loopback: JAX gives gloo no interface, and gloo listens where the host
-    name resolves.
-
-    Args:
-        who: the launcher, for the message.
-        resolve: the host name's address (a test's stand-in).
-
-    Returns:
-        Whether it warned.
+    name resolves (`resolve`: a test's stand-in). `who` is the launcher, for
+    the message. Returns whether it warned.
     """
     import ipaddress
     import sys

@@ -186,16 +186,11 @@ def preemption_wait_s():
 
 
 def how_it_ended(code, raised=False):
-    """How a failed process ended, for the launcher's message.
-
-    Args:
-        code: its exit status; negative for the signal that killed it.
-        raised: whether it printed a traceback before a signal killed it
-            (torchrun: the rank recorded its exception, then was ended).
-
-    Returns:
-        What follows the process's name, e.g. `"was killed by signal 9
-        (SIGKILL)"`.
+    """How a failed process ended, for the launcher's message: what follows
+    its name, e.g. `"was killed by signal 9 (SIGKILL)"`. `code` is its exit
+    status (negative: the signal that killed it); `raised`, whether it printed
+    a traceback before a signal killed it (torchrun: the rank recorded its
+    exception, then was ended).
     """
     if code == STALLED_EXIT_CODE:
         return (

@@ -164,9 +164,7 @@ def main(argv):
         return local_processes.run(one_process(args), args, label="worker")
     addresses = node_addresses(args)
     here = addresses[args.node_rank]
-    free = None
-    if args.master_port is None:
-        free = _free_ports(here, args.nproc_per_node)
+    free = _free_ports(here, args.nproc_per_node) if args.master_port is None else None
     workers = worker_addresses(args, addresses, free)
     first = args.node_rank * args.nproc_per_node
     for g in range(first, first + args.nproc_per_node):

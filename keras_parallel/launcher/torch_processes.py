@@ -248,8 +248,8 @@ def _collect(processes, results, timeout):
                 if rank not in done and not process.is_alive():
                     time.sleep(0.2)  # Its report may still be in the pipe.
                     message = _poll(results)
-                    if message is None and rank not in done:
-                        failures[rank] = {
+                    if message is None:
+                        failure = {
                             "type": "ProcessFailedError",
                             "message": f"rank {rank} exited with code "
                             f"{process.exitcode} without reporting a result",
@@ -257,8 +257,7 @@ def _collect(processes, results, timeout):
                             "pickled": None,
                             "secondary": False,
                         }
-                        done.add(rank)
-                        failed_at = failed_at or time.monotonic()
+                        message = (rank, "error", failure)
                     break
             if message is None:
                 continue

@@ -31,11 +31,6 @@ class RunSecretError(ValueError):
     """The run's secret was named but cannot be used."""
 
 
-def new_secret():
-    """A fresh secret: 32 random bytes, as 64 hex digits."""
-    return secrets.token_hex(32)
-
-
 def for_children(environ=None):
     """The variables that give the processes a launcher starts the run's
     secret: the one in `environ` where there is one, else a new one.
@@ -50,7 +45,7 @@ def for_children(environ=None):
     environ = os.environ if environ is None else environ
     if environ.get(SECRET_VARIABLE) or environ.get(SECRET_FILE_VARIABLE):
         return {}
-    return {SECRET_VARIABLE: new_secret()}
+    return {SECRET_VARIABLE: secrets.token_hex(32)}  # 32 random bytes.
 
 
 def run_secret(environ=None):

@@ -58,10 +58,9 @@ def replacing(path):
 
 def write_text(path, text):
     """Writes `text` to `path` atomically (see module docstring)."""
+    # Closed, then flushed to disk by `replacing` before the rename.
     with replacing(path) as temporary, open(temporary, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def file_argument(args, kwargs):

@@ -17,6 +17,7 @@ from keras import callbacks
 from keras_parallel.keras_seam.keras_compat import EpochIterator
 from keras_parallel.keras_seam.replacements import Replacements
 from keras_parallel.persistence import atomic, backup_checks
+from keras_parallel.persistence.backup_checks import BackupError
 from keras_parallel.persistence.backup_random_state import (
     random_state,
     set_random_state,
@@ -26,9 +27,6 @@ from keras_parallel.persistence.backup_random_state import (
 METADATA_KEY = "keras_parallel"
 _WEIGHTS_PREFIX = "weights-"
 _WEIGHTS_SUFFIX = ".weights.h5"
-
-
-BackupError = backup_checks.BackupError
 
 
 class ExactBackups:
@@ -57,7 +55,9 @@ class ExactBackups:
         }
         if not executor.is_chief:
             # Keras deletes the backup when training ends: rank 0 alone.
-            patches[(callbacks.BackupAndRestore, "on_train_end")] = _noop
+            patches[(callbacks.BackupAndRestore, "on_train_end")] = (
+                lambda *args, **kwargs: None
+            )
         for (cls, name), function in patches.items():
             self._replacements.replace(cls, name, function)
 
@@ -72,10 +72,6 @@ class ExactBackups:
 #: there, not where it is made, so that both doors find it (a
 #: `ShardingCallback` is handed the model after the iterator is made).
 _awaiting_iterator = [None]
-
-
-def _noop(*args, **kwargs):
-    return None
 
 
 class BackupProgress:
@@ -184,9 +180,8 @@ def _save(callback, executor):
     steps_done = 0
     progress = progress_of(callback)
     if progress.epoch is not None and progress.epoch >= epoch:
-        # Saved within an epoch (integer `save_freq`, or a preemption). Keras's
-        # own `_current_epoch` moves at epoch ends only, so it says 0 within
-        # the first epoch of a resumed run.
+        # Saved within an epoch (integer `save_freq`, a preemption). Keras's
+        # `_current_epoch` moves at epoch ends only, 0 in a resumed run's first epoch.
         epoch = progress.epoch
         batches = (callback.params or {}).get("steps")
         last_batch = batches and callback._last_batch_seen + 1 >= batches
@@ -194,14 +189,10 @@ def _save(callback, executor):
             # Resumed after the trained batches: the epoch's shuffle from its
             # first host random state, the dropout masks from here on.
             steps_done = callback._last_batch_seen + 1
-            state = dict(progress.epoch_state)
-            state["seed_generators"] = random_state(callback.model, executor)[
-                "seed_generators"
-            ]
+            state = dict(progress.epoch_state, seed_generators=state["seed_generators"])
         else:
-            # Resumed at the epoch's start (an epoch resumed after all its
-            # batches would train none; a preemption there waits for the
-            # epoch's end, `persistence/preemption.py`).
+            # Resumed at the epoch's start (after its last batch it would train
+            # none; a preemption there waits for the epoch's end: preemption.py).
             state = progress.epoch_state
     metadata = {
         "epoch": epoch,
@@ -218,12 +209,11 @@ def _save(callback, executor):
     }
     if not executor.is_chief:
         return  # Its part of a collective save is done; rank 0 writes.
-    if callback.double_checkpoint and previous:
-        atomic.write_text(callback._prev_training_metadata_path, json.dumps(previous))
-    atomic.write_text(callback._training_metadata_path, json.dumps(metadata))
     keep = {weights_name}
     if callback.double_checkpoint and previous:
+        atomic.write_text(callback._prev_training_metadata_path, json.dumps(previous))
         keep.add(previous.get(METADATA_KEY, {}).get("weights"))
+    atomic.write_text(callback._training_metadata_path, json.dumps(metadata))
     for name in os.listdir(directory):
         if _is_weights_file(name) and name not in keep:
             os.remove(os.path.join(directory, name))
@@ -241,8 +231,7 @@ def _load(callback, executor):
     _awaiting_iterator[0] = weakref.ref(callback)
     if os.path.isdir(callback.backup_dir):
         backup_checks.check_owner(callback.backup_dir)
-    path = callback._training_metadata_path
-    metadata = _read_metadata(path)
+    metadata = _read_metadata(callback._training_metadata_path)
     if metadata is None:
         return  # No backup: a fresh start.
     try:
@@ -258,14 +247,10 @@ def _restore(callback, metadata, executor):
     model = callback.model
     ours = metadata.get(METADATA_KEY)
     if ours:
-        backup_checks.check_batches_per_epoch(
-            callback, ours
-        )  # Before anything is loaded.
-    name = (
-        backup_checks.weights_name(ours, callback.backup_dir)
-        if ours
-        else os.path.basename(callback._weights_path)
-    )
+        backup_checks.check_batches_per_epoch(callback, ours)  # Before any load.
+        name = backup_checks.weights_name(ours, callback.backup_dir)
+    else:
+        name = os.path.basename(callback._weights_path)
     weights = os.path.join(callback.backup_dir, name)
     if os.path.exists(weights):
         if model.optimizer is not None and not model.optimizer.built:
@@ -350,12 +335,9 @@ def _read_metadata(path):
 
 
 def _root_cause(error):
-    """The first error of `error`'s chain, as `Type: message`.
-
-    A `DistributedModel`'s `load_weights` wraps Keras's error in its own,
-    which names the file and gives the fix for a file loaded by hand; the
-    backup's message says both for a backup, so it quotes only the cause.
-    """
+    """The first error of `error`'s chain, as `Type: message`: the backup's
+    message names the file and the fix itself, so it quotes only the cause
+    (a `DistributedModel`'s `load_weights` wraps Keras's error in its own)."""
     while error.__cause__ is not None:
         error = error.__cause__
     return f"{type(error).__name__}: {error}"

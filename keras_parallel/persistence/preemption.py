@@ -13,8 +13,7 @@ import sys
 import threading
 import time
 
-from keras import callbacks
-from keras.callbacks import CallbackList
+from keras.callbacks import BackupAndRestore, CallbackList
 
 from keras_parallel.keras_seam.replacements import Replacements
 from keras_parallel.persistence import signal_actions
@@ -103,8 +102,7 @@ class PreemptionWatch:
             if watch.agreed_to_stop():
                 if batch + 1 >= (callback_list.params.get("steps") or batch + 2):
                     # The epoch's last batch: its end (validation, epoch-end
-                    # callbacks and backup) runs first, and the run resumes
-                    # at the next epoch.
+                    # callbacks, backup) runs first; it resumes at the next epoch.
                     watch._at_epoch_end = batch
                 else:
                     watch.stop(callback_list, batch)
@@ -120,7 +118,9 @@ class PreemptionWatch:
         self._replacements.replace(CallbackList, "on_epoch_end", on_epoch_end)
 
     def uninstall(self):
-        self._cancel_grace()
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
         if self.agreement is not None:
             self.agreement.close()
         self._replacements.restore()
@@ -137,19 +137,16 @@ class PreemptionWatch:
         self.uninstall()
         if pending is not None and not isinstance(error, Preempted):
             # The signal came and the run did not stop for it: the entry
-            # point failed after it (a launcher ending the group because
-            # another process failed: torchrun sends SIGTERM then), or
-            # ended before the agreed step. The signal keeps its own
-            # meaning, as it would have without this watch: a launcher
-            # names the process that failed first, a scheduler's stop
-            # ends the process.
+            # point failed after it (torchrun sends SIGTERM to the group when
+            # another process fails) or ended before the agreed step. The
+            # signal keeps its own meaning, as without this watch: a launcher
+            # names the process that failed first, a scheduler's stop ends it.
             os.kill(os.getpid(), pending)
         return False
 
     def _on_signal(self, number, frame):
         if self.received is not None:
-            # A second signal (or the grace ran out): the signal's own
-            # meaning, now.
+            # A second signal (or the grace ran out): its own meaning, now.
             installed = self._installed.pop(number, None)
             if installed is not None:
                 signal_actions.restore(number, installed)
@@ -164,18 +161,12 @@ class PreemptionWatch:
         self._timer.daemon = True
         self._timer.start()
 
-    def _cancel_grace(self):
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-
     def _grace_ran_out(self, number):
-        """No agreed stop within the grace (another process that does not
-        answer, a batch that does not end): the signal is sent again, which
-        the handler turns into its own meaning; a main thread that runs no
-        Python code for 5 s more (stuck in a native call), or a native
-        handler that only records the signal, ends with the signal's exit
-        status."""
+        """No agreed stop within the grace (a process that does not answer, a
+        batch that does not end): the signal is sent again, for the handler to
+        give it its own meaning; 5 s later, the watch still in force (the main
+        thread stuck in a native call, a native handler that only records
+        signals), the process exits with the signal's status."""
         if self._timer is None:
             return  # The watch ended in time (cancelled as it fired).
         os.kill(os.getpid(), number)
@@ -200,31 +191,23 @@ class PreemptionWatch:
                 the backup resumes at the next epoch.
         """
         self._stopped = True
-        model = callback_list.model
-        backup = next(
-            (
-                c
-                for c in callback_list.callbacks
-                if isinstance(c, callbacks.BackupAndRestore)
-            ),
-            None,
-        )
+        found = (c for c in callback_list.callbacks if isinstance(c, BackupAndRestore))
+        backup = next(found, None)
         epoch = None if backup is None else backup_progress(backup).epoch
+        directory = None if backup is None else backup.backup_dir
         if backup is not None:
             if not epoch_ended:
                 backup._last_batch_seen = batch
             backup._save_model()
             said = (
-                f"backup written to {backup.backup_dir!r}; run the same command "
+                f"backup written to {directory!r}; run the same command "
                 "to resume from this step"
             )
-            directory = backup.backup_dir
         else:
             said = (
                 "nothing was saved: add keras.callbacks.BackupAndRestore(dir) "
                 "to fit's callbacks to resume from here"
             )
-            directory = None
         if self.executor.num_processes > 1:
             # No process exits before the backup is whole: a launcher ends
             # the others when one exits.
@@ -237,7 +220,7 @@ class PreemptionWatch:
         )
         if self.executor.is_chief or self.received is not None:
             print(message, file=sys.stderr, flush=True)
-        model.stop_training = True
+        callback_list.model.stop_training = True
         raise Preempted(message, epoch, batch, directory)
 
     def _cause(self):

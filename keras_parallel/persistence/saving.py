@@ -20,21 +20,8 @@ from keras_parallel.keras_seam.replacements import replaced
 DISTRIBUTION_ASSET = "keras_parallel_distribution.json"
 #: The format of that file; a newer one is refused with a warning.
 DISTRIBUTION_FORMAT = 1
-
-
-def _serialization_lib():
-    from keras_parallel.keras_seam.keras_compat import serialization_lib
-
-    return serialization_lib
-
-
-def _keras_classes():
-    """Keras's classes a DistributedModel may be saved as, most derived first."""
-    import keras
-
-    from keras_parallel.keras_seam.keras_compat import Functional
-
-    return (keras.Sequential, Functional)
+#: keras_parallel's `DataParallel` options a description keeps.
+_DATA_PARALLEL_OPTIONS = ("sync_batchnorm", "find_unused_parameters")
 
 
 #: The keys of a Functional model's config (`Functional.get_config`).
@@ -54,7 +41,11 @@ def keras_class_for(cls, inner_config):
     """
     if not isinstance(inner_config, dict):
         return None
-    sequential, functional = _keras_classes()
+    import keras
+
+    from keras_parallel.keras_seam.keras_compat import Functional
+
+    sequential, functional = keras.Sequential, Functional
     if issubclass(cls, sequential):
         # Sequential.from_config reads its own keys; a subclass that keeps
         # Sequential's constructor and config revives as one.
@@ -86,7 +77,8 @@ def saved_as_keras_class(distributed_base):
         distributed_base: `DistributedModel` (given by it: saving sits
             below the model in the package's layers).
     """
-    module = _serialization_lib()
+    from keras_parallel.keras_seam.keras_compat import serialization_lib as module
+
     original = module.serialize_with_public_class
 
     def serialize_with_public_class(cls, inner_config=None):
@@ -135,7 +127,6 @@ def compile_from_config(model, config):
         model.optimizer.build(model.trainable_variables)
 
 
-# ------------------------------------------------------------ distribution
 def describe_distribution(distribution):
     """A JSON-able description of a distribution, enough to re-create it.
 
@@ -173,13 +164,17 @@ def describe_distribution(distribution):
             )
     elif isinstance(distribution, keras.distribution.DataParallel):
         description["kind"] = "DataParallel"
-        for option in ("sync_batchnorm", "find_unused_parameters"):
+        for option in _DATA_PARALLEL_OPTIONS:
             if hasattr(distribution, option):
                 description[option] = bool(getattr(distribution, option))
     if getattr(distribution, "shard", None) is not None:
         description["shard"] = distribution.shard
         description["shard_min_size"] = int(distribution.shard_min_size)
     return description
+
+
+def _present(description, keys):
+    return {key: description[key] for key in keys if key in description}
 
 
 def _mesh_text(description):
@@ -221,18 +216,9 @@ def distribution_from_description(description):
             stacklevel=3,
         )
         return None
-    sharding = {
-        key: description[key]
-        for key in ("shard", "shard_min_size")
-        if key in description
-    }
+    sharding = _present(description, ("shard", "shard_min_size"))
     if kind == "DataParallel":
-        options = {
-            key: description[key]
-            for key in ("sync_batchnorm", "find_unused_parameters")
-            if key in description
-        }
-        options.update(sharding)
+        options = _present(description, _DATA_PARALLEL_OPTIONS) | sharding
         return DataParallel(
             auto_shard_dataset=description.get("auto_shard_dataset", True), **options
         )
@@ -280,8 +266,7 @@ def save_distribution(distribution, dir_path):
     """
     if distribution is None:
         return
-    path = os.path.join(dir_path, DISTRIBUTION_ASSET)
-    with open(path, "w") as f:
+    with open(os.path.join(dir_path, DISTRIBUTION_ASSET), "w") as f:
         json.dump(describe_distribution(distribution), f, indent=1)
 
 

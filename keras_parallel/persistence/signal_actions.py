@@ -35,9 +35,8 @@ def save(number):
 
 def install(number, handler):
     """Installs the Python `handler`; returns what `restore` needs."""
-    saved = save(number)
-    previous = signal.signal(number, handler)
-    return previous, saved
+    saved = save(number)  # Before `handler` replaces it.
+    return signal.signal(number, handler), saved
 
 
 def restore(number, installed):

@@ -123,18 +123,16 @@ class StopAgreement:
 
     def store_notice(self, signal_name):
         """Writes the notice that this process got `signal_name`."""
-        if self._read(self._key("notice")) is None:
+        if self.store.try_get(self._key("notice")) is None:
             try:
                 self.store.set(self._key("notice"), f"{self.rank}:{signal_name}")
             except KeyAlreadySetError:
                 pass  # Another process's notice came first: one is enough.
 
     def _poll(self):
-        """One tick: a notice? Returns False once there is no more to do.
-
-        On the run's heartbeat, every other tick: the stall watch publishes
-        on the others, so that each process sends one request a second.
-        """
+        """One tick: a notice? Returns False once there is no more to do. On
+        the run's heartbeat, every other tick: the stall watch publishes on
+        the others, so that each process sends one request a second."""
         if self._closed.is_set():
             return False
         self._polls += 1
@@ -142,7 +140,7 @@ class StopAgreement:
             return True
         # The store gone (the run ending) raises: the heartbeat drops it.
         try:
-            notice = self._read(self._key("notice"))
+            notice = self.store.try_get(self._key("notice"))
         except UntrustedValueError as error:
             self.refused = error  # A forged stop: nothing of it is used.
             return False
@@ -162,7 +160,7 @@ class StopAgreement:
                 int(self._wait_for(self._key(f"step/{rank}"), rank))
                 for rank in range(self.num_processes)
             ]
-            notice = self._read(self._key("notice")) or ":"
+            notice = self.store.try_get(self._key("notice")) or ":"
         except Exception as error:  # A process that died, a store gone.
             self.failure = error
             return
@@ -175,7 +173,7 @@ class StopAgreement:
     def _wait_for(self, key, rank):
         deadline = time.monotonic() + self.timeout
         while True:
-            value = self._read(key)
+            value = self.store.try_get(key)
             if value is not None:
                 return value
             if time.monotonic() > deadline:
@@ -183,6 +181,3 @@ class StopAgreement:
                     f"process {rank} wrote no step within {self.timeout:g} s"
                 )
             time.sleep(ANSWER_POLL_S)
-
-    def _read(self, key):
-        return self.store.try_get(key)

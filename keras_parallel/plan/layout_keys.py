@@ -18,7 +18,9 @@ def variable_axes(distribution, variable, variable_keys, layout_map):
     """Returns `(axes, key)` for one model variable."""
     rank = len(variable.shape)
     if layout_map is None:
-        if is_data_parallel(distribution):
+        from keras.distribution import DataParallel
+
+        if isinstance(distribution, DataParallel):
             return (None,) * rank, "(replicated)"
         # A custom Distribution: ask it, as Keras would.
         layout = distribution.get_variable_layout(variable)
@@ -39,12 +41,6 @@ def variable_axes(distribution, variable, variable_keys, layout_map):
     return (None,) * rank, "(replicated)"
 
 
-def is_data_parallel(distribution):
-    from keras.distribution import DataParallel
-
-    return isinstance(distribution, DataParallel)
-
-
 def checked(variable, axes, key):
     shape = tuple(variable.shape)
     if len(axes) != len(shape):
@@ -63,23 +59,20 @@ def reference_of(variable, references):
     Keras names a slot `<reference path with / as _>_<slot name>` and gives it
     the reference's shape (`Optimizer.add_variable_from_reference`).
     """
-    best = None
-    for prefix, reference in references.items():
-        if variable.name.startswith(prefix + "_") and tuple(variable.shape) == tuple(
-            reference.shape
-        ):
-            if best is None or len(prefix) > len(best[0]):
-                best = (prefix, reference)
-    return best[1] if best else None
+    matching = [
+        prefix
+        for prefix, reference in references.items()
+        if variable.name.startswith(prefix + "_")
+        and tuple(variable.shape) == tuple(reference.shape)
+    ]
+    return references[max(matching, key=len)] if matching else None
 
 
 def output_paths(model):
     """Every layer output path of the model, as Keras names it at call time."""
-    paths = []
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        path = getattr(layer, "path", None) or layer.name
-        paths.append(path + OUTPUT_SUFFIX)
-    return list(dict.fromkeys(paths))
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    paths = ((getattr(layer, "path", None) or layer.name) for layer in layers)
+    return list(dict.fromkeys(path + OUTPUT_SUFFIX for path in paths))
 
 
 def matches_path_or_suffix(key, path):

@@ -137,48 +137,6 @@ def place(logical, shape, rules, sizes):
     return tuple(axes), f"(rules: {note})", misfits
 
 
-def warn_unused(
-    rules, used_rules, model, axis_names, batch_axis, sizes, misfits, split_axes
-):
-    """Warns of rules that place nothing, and of a model axis that splits nothing.
-
-    Args:
-        rules: the user's rules (`None` for `"auto"`'s, which name axes a
-            model may lack, such as `vocab` in an MLP).
-        used_rules: the rules that split a variable.
-        misfits: `{variable path: [(logical axis, mesh axis, dimension)]}`.
-        split_axes: the mesh axes any variable is split over (by a rule or
-            a `LayoutMap` key).
-    """
-    for rule in rules or ():
-        if rule in used_rules or rule[1] is None:
-            continue
-        named = [p for p, m in misfits.items() if any(f[:2] == rule for f in m)]
-        why = (
-            f"it names {len(named)} variable(s) whose dimension "
-            f"{rule[1]!r} (size {sizes[rule[1]]}) does not divide, e.g. "
-            f"{named[0]!r}"
-            if named
-            else f"no variable of model {model.name!r} has logical axis {rule[0]!r}"
-        )
-        warnings.warn(
-            f"Rule {rule!r} splits nothing: {why}. Print "
-            "keras_parallel.describe(model, distribution) for each variable's "
-            "logical axes; change or drop the rule.",
-            stacklevel=4,
-        )
-    for name in axis_names:
-        if name != batch_axis and int(sizes[name]) > 1 and name not in split_axes:
-            warnings.warn(
-                f"Mesh axis {name!r} (size {sizes[name]}) splits no variable of "
-                f"model {model.name!r}: its devices each hold every variable "
-                "whole and compute the same. Give the axis a size that divides "
-                "the model's dimensions (keras_parallel.describe shows them), "
-                "or use keras_parallel.DataParallel().",
-                stacklevel=4,
-            )
-
-
 class RulePlacement:
     """The rules placing one model's variables, for `plan.resolve_plan`."""
 
@@ -216,14 +174,40 @@ class RulePlacement:
         self._split_axes.update(a for a in axes if a is not None)
 
     def warn_unused(self):
-        """`warn_unused` for what `place` saw."""
-        warn_unused(
-            self._users,
-            self._used,
-            self.model,
-            tuple(self.sizes),
-            self.batch_axis,
-            self.sizes,
-            self._misfits,
-            self._split_axes,
-        )
+        """Warns of rules that place nothing, and of a model axis that splits nothing.
+
+        `"auto"`'s rules are left out: they name axes a model may lack, such
+        as `vocab` in an MLP. A model axis counts as used where any variable
+        is split over it, by a rule or a `LayoutMap` key.
+        """
+        sizes, model = self.sizes, self.model
+        for rule in self._users or ():
+            if rule in self._used or rule[1] is None:
+                continue
+            named = [
+                p for p, m in self._misfits.items() if any(f[:2] == rule for f in m)
+            ]
+            why = (
+                f"it names {len(named)} variable(s) whose dimension "
+                f"{rule[1]!r} (size {sizes[rule[1]]}) does not divide, e.g. "
+                f"{named[0]!r}"
+                if named
+                else f"no variable of model {model.name!r} has logical axis {rule[0]!r}"
+            )
+            warnings.warn(
+                f"Rule {rule!r} splits nothing: {why}. Print "
+                "keras_parallel.describe(model, distribution) for each variable's "
+                "logical axes; change or drop the rule.",
+                stacklevel=3,
+            )
+        for name, size in sizes.items():
+            if name == self.batch_axis or int(size) <= 1 or name in self._split_axes:
+                continue
+            warnings.warn(
+                f"Mesh axis {name!r} (size {size}) splits no variable of "
+                f"model {model.name!r}: its devices each hold every variable "
+                "whole and compute the same. Give the axis a size that divides "
+                "the model's dimensions (keras_parallel.describe shows them), "
+                "or use keras_parallel.DataParallel().",
+                stacklevel=3,
+            )

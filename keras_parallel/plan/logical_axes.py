@@ -102,7 +102,8 @@ def _is_pairable(layer):
     if isinstance(layer, keras.layers.Dense):
         return True
     if isinstance(layer, keras.layers.EinsumDense):
-        return _einsum_roles(layer) == ("in", "out")
+        parsed = _einsum_parts(layer)
+        return parsed is not None and parsed[1] == ("in", "out")
     return isinstance(
         layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
     )
@@ -118,21 +119,15 @@ def _paired_axes(name, rank, role):
 
 
 def _einsum_parts(layer):
+    """`((inputs, kernel, output), roles)`: the equation's letters, and per
+    kernel dimension `"in"` (contracted), `"out"` or `None`; or `None`."""
     # `...` stands for dimensions the kernel does not have.
     equation = layer.equation.replace("...", "")
     match = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w+)\s*", equation)
     if match is None:
         return None
-    return match.groups()
-
-
-def _einsum_roles(layer):
-    """Per kernel dimension: `"in"` (contracted) or `"out"`, or `None`."""
-    parts = _einsum_parts(layer)
-    if parts is None:
-        return None
-    inputs, kernel, output = parts
-    return tuple(
+    inputs, kernel, output = match.groups()
+    return (inputs, kernel, output), tuple(
         "in"
         if c in inputs and c not in output
         else "out"
@@ -144,12 +139,12 @@ def _einsum_roles(layer):
 
 def _einsum_axes(layer, name, shape):
     """An attention projection's axes, from its equation."""
-    roles = _einsum_roles(layer)
-    if roles is None:
+    parsed = _einsum_parts(layer)
+    if parsed is None:
         return None
+    (inputs, kernel, output), roles = parsed
     is_kv = re.search(r"key|value", layer.name) is not None
     heads, head_dim = (KV_HEADS, KV_HEAD_DIM) if is_kv else (HEADS, HEAD_DIM)
-    inputs, kernel, output = _einsum_parts(layer)
 
     def letters(role, order):
         found = [c for c, r in zip(kernel, roles, strict=True) if r == role]
@@ -313,8 +308,7 @@ def _call_order(model, layers):
     inputs = _symbolic_inputs(model)
     if inputs is None:
         return None
-    calls = []
-    wrapped = []
+    calls, wrapped = [], []
 
     def recorder(layer, call):
         def call_recorded(inputs, *args, **kwargs):

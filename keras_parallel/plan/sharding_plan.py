@@ -183,9 +183,9 @@ def resolve_plan(distribution, model, device_names=None, available_devices=None)
         )
 
     model_vars, optimizer_vars, metric_vars = _variables_by_kind(model)
-    layout_map = _layout_map_of(distribution)
-    variable_keys = []
-    output_keys = []
+    # `ModelParallel` keeps its LayoutMap private; read it where Keras keeps it.
+    layout_map = getattr(distribution, "_layout_map", None)
+    variable_keys, output_keys = [], []
     if layout_map is not None:
         for key in layout_map:
             axes = tuple(layout_map[key].axes)
@@ -283,11 +283,6 @@ def _check_axes_in_mesh(what, axes, axis_names):
                 f"Received: axes={axes}, mesh axis_names={list(axis_names)}; "
                 "use mesh axis names or None."
             )
-
-
-def _layout_map_of(distribution):
-    # `ModelParallel` keeps its LayoutMap private; read it where Keras keeps it.
-    return getattr(distribution, "_layout_map", None)
 
 
 def _variables_by_kind(model):

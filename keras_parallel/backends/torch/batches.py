@@ -163,12 +163,8 @@ def gathered_rows(tensor, rows, world_size):
     """
     if not isinstance(tensor, torch.Tensor) or not tensor.ndim:
         return tensor
-    sizes = [
-        stop - start
-        for start, stop, _ in (
-            split_rows(rows, world_size, r) for r in range(world_size)
-        )
-    ]
+    bounds = [split_rows(rows, world_size, r) for r in range(world_size)]
+    sizes = [stop - start for start, stop, _ in bounds]
     width = max(sizes)
     padded = tensor.new_zeros((width,) + tuple(tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor

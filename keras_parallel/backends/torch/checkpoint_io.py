@@ -4,6 +4,7 @@ and the DTensor variables of ModelParallel gathered whole."""
 import contextlib
 
 import torch
+from keras import ops
 
 from keras_parallel.backends.checkpoint_io import CheckpointIO
 from keras_parallel.backends.torch import dtensor_layouts
@@ -15,8 +16,6 @@ class TorchCheckpointIO(CheckpointIO):
     """`CheckpointIO` for torch ranks (`TorchExecutor`)."""
 
     def host_value(self, value):
-        from keras import ops
-
         if self.executor.holds_dtensors:
             # A collective where the variable is split over ranks.
             value = dtensor_layouts.whole_value(value)

@@ -7,7 +7,6 @@ convolves its own rows (`LocalConvolutions`).
 """
 
 import contextlib
-import functools
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -106,13 +105,12 @@ class LocalConvolutions(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rest = args[3:]
             options = {k: v for k, v in kwargs.items() if k != "bias"}
-            compute = functools.partial(_call, func, rest, options)
+
+            def compute(x, weight, bias):
+                return func(x, weight, bias, *rest, **options)
+
             return _LocalConvolution.apply(compute, args[0], args[1], bias)
         return func(*args, **kwargs)
-
-
-def _call(func, rest, options, x, weight, bias):
-    return func(x, weight, bias, *rest, **options)
 
 
 class _LocalConvolution(torch.autograd.Function):

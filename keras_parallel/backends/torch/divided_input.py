@@ -6,6 +6,7 @@ batch is remembered with it, keyed by the object Keras passes on untouched.
 `PyDataset`s and generators: `shared_batches`.
 """
 
+import functools
 import weakref
 
 from keras_parallel.backends.torch import shared_batches
@@ -50,10 +51,9 @@ class DividedInput:
         """Batches shared between the ranks (`shared_batches`), or None."""
         world_size, rank = self.world_size, self.rank
         if kind == "PyDataset" and kinds.shareable_pydataset(adapter):
-
-            def batches():
-                return shared_batches.pydataset_batches(adapter, world_size, rank)
-
+            batches = functools.partial(
+                shared_batches.pydataset_batches, adapter, world_size, rank
+            )
         elif kind == "generator":
 
             def batches():
@@ -68,10 +68,7 @@ class DividedInput:
             )
             if own is None:
                 return None
-
-            def batches():
-                return _tf_data_batches(own)
-
+            batches = functools.partial(_tf_data_batches, own)
         else:
             return None
         return _Shared(self, loader, batches)

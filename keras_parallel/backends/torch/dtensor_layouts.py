@@ -230,16 +230,10 @@ def promotion():
     torch.Tensor and DTensor"), so only the outermost scope enters it.
     """
     global _promotion_depth
-    if _promotion_depth:
-        _promotion_depth += 1
-        try:
+    outermost = _promotion_depth == 0
+    _promotion_depth += 1
+    try:
+        with implicit_replication() if outermost else contextlib.nullcontext():
             yield
-        finally:
-            _promotion_depth -= 1
-        return
-    with implicit_replication():
-        _promotion_depth = 1
-        try:
-            yield
-        finally:
-            _promotion_depth = 0
+    finally:
+        _promotion_depth -= 1

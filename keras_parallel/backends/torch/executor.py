@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import torch
 import torch.distributed as dist
-from keras.distribution import DataParallel
+from keras.distribution import DataParallel, ModelParallel
 
 from keras_parallel.backends.base import AutoSupport, Executor
 from keras_parallel.backends.torch import distribution_lib
@@ -126,8 +126,6 @@ class TorchExecutor(Executor):
 
     # --------------------------------------------------------- lifecycle
     def check(self, distribution):
-        from keras.distribution import DataParallel, ModelParallel
-
         layout_map = getattr(distribution, "_layout_map", None)
         data_parallel = layout_map is None and isinstance(distribution, DataParallel)
         if not data_parallel and not isinstance(distribution, ModelParallel):
@@ -174,7 +172,7 @@ class TorchExecutor(Executor):
             keras_ddp_off(model)
             return
         if model is not self._model:
-            self._close_ddp()
+            self.close()
         self._model = model
         if not torch_group.is_distributed():
             # Plain Keras on one device; the binding says so
@@ -187,13 +185,13 @@ class TorchExecutor(Executor):
         if getattr(self.distribution, "find_unused_parameters", False) and any(
             p.requires_grad for p in DDPModule(model, model.call).parameters()
         ):
-            self._ddp = self._make_ddp(model)
+            self._make_ddp(model)
         else:
             # Every rank starts from rank 0's weights, as DDP's would; DDP
             # comes after the first step, once every trainable variable had
             # a gradient (`gradient_mean`).
             broadcast_flat(DDPModule(model, model.call).parameters())
-            make_ddp = functools.partial(self._start_ddp, model)
+            make_ddp = functools.partial(self._make_ddp, model)
         if self._steps is None:
             self._steps = RankSteps(
                 model, self._ddp, self.num_processes, self.process_index, make_ddp
@@ -211,10 +209,6 @@ class TorchExecutor(Executor):
             return None
         return process_saving(model, self)
 
-    def _start_ddp(self, model):
-        self._ddp = self._make_ddp(model)
-        return self._ddp
-
     def _make_ddp(self, model):
         steps = self._steps
         # Made after the first step, while the entry point's `call` is in
@@ -224,13 +218,14 @@ class TorchExecutor(Executor):
         device_ids = None
         if torch_group.device_type() == "cuda":
             device_ids = [torch.cuda.current_device()]
-        return torch.nn.parallel.DistributedDataParallel(
+        self._ddp = torch.nn.parallel.DistributedDataParallel(
             module,
             device_ids=device_ids,
             find_unused_parameters=bool(
                 getattr(self.distribution, "find_unused_parameters", False)
             ),
         )
+        return self._ddp
 
     def _fold_rank_into_seeds(self, model):
         # Every rank built the same seed states; offset them once so each
@@ -276,26 +271,20 @@ class TorchExecutor(Executor):
                 part.install()
                 installed.append(part)
             yield
-        except BaseException:
+            if self._steps.dirty:
+                self._steps.sync_non_trainable()
+        finally:
             for part in reversed(installed):
                 part.uninstall()
-            raise
-        else:
-            try:
-                if self._steps.dirty:
-                    self._steps.sync_non_trainable()
-            finally:
-                for part in reversed(installed):
-                    part.uninstall()
 
     def _scope_parts(self, model):
-        if self._mesh_runner is not None:
-            return self._mesh_runner.scope_parts(model)
+        on_mesh = self._mesh_runner is not None
         parts = [self._steps, StepLogPolicy(self._steps)]
         # A ModelParallel mesh of batch and size-1 axes runs on DDP with the
         # global batch statistics JAX's ModelParallel uses.
-        if getattr(self.distribution, "sync_batchnorm", False) or not isinstance(
-            self.distribution, DataParallel
+        if not on_mesh and (
+            getattr(self.distribution, "sync_batchnorm", False)
+            or not isinstance(self.distribution, DataParallel)
         ):
             parts.append(SyncBatchNorm(model))
         # A group of one process (a single GPU's run) has no other process
@@ -304,29 +293,25 @@ class TorchExecutor(Executor):
         if writes is not None:
             parts.append(ChiefWritesInFit(writes, model=model))
         if not self.is_chief:
-            parts.append(ChiefOnlyCallbacks(model=model))
+            # On a mesh, saving gathers the split variables: a collective.
+            parts.append(ChiefOnlyCallbacks(collective_saving=on_mesh, model=model))
         return parts
 
     def release(self, model):
         if self._mesh_runner is not None:
             self._mesh_runner.release(model)
-            keras_ddp_off(model, off=False)
             self._steps = None
-            self._model = None
-            return
-        self._close_ddp()
+        else:
+            self.close()
         keras_ddp_off(model, off=False)
         self._model = None
 
-    def _close_ddp(self):
+    def close(self):
+        """Drops the DDP wrapper before the process group goes (at exit)."""
         if self._steps is not None:
             self._steps.uninstall()
         self._steps = None
         self._ddp = None
-
-    def close(self):
-        """Drops the DDP wrapper before the process group goes (at exit)."""
-        self._close_ddp()
 
     @classmethod
     def first_step_batch(cls, kind, args):

@@ -23,7 +23,8 @@ def _packed(tensors):
 
 
 @torch.no_grad()
-def _unpack(flat, tensors):
+def unpack_flat(flat, tensors):
+    """Copies `flat`'s consecutive pieces into `tensors`, each cast to its dtype."""
     offset = 0
     for tensor in tensors:
         n = tensor.numel()
@@ -38,7 +39,7 @@ def broadcast_flat(tensors, src=0):
         return
     flat = _packed(tensors)
     dist.broadcast(flat, src=src)
-    _unpack(flat, tensors)
+    unpack_flat(flat, tensors)
 
 
 def broadcast_bytes(payload, src=0):
@@ -87,4 +88,4 @@ def mean_flat(tensors, world_size):
     flat = _packed(tensors)
     dist.all_reduce(flat)
     flat /= world_size
-    _unpack(flat, tensors)
+    unpack_flat(flat, tensors)

@@ -118,18 +118,11 @@ def ensure_process_group():
         store = _store_of_this_attempt(timeout)
         if store is None and env is not None and env.world_size() > 1:
             store = _store_bound_to_main_address(timeout)
-        if store is None:
-            dist.init_process_group(
-                backend=backend, init_method="env://", timeout=timeout
-            )
-        else:
-            dist.init_process_group(
-                backend=backend,
-                store=store,
-                rank=int(os.environ["RANK"]),
-                world_size=env_world_size(),
-                timeout=timeout,
-            )
+        joined = {"init_method": "env://"}
+        if store is not None:
+            rank = int(os.environ["RANK"])
+            joined = {"store": store, "rank": rank, "world_size": env_world_size()}
+        dist.init_process_group(backend=backend, timeout=timeout, **joined)
     _started_here = True
     atexit.register(teardown)
     return is_distributed()

@@ -255,13 +255,12 @@ def local_metrics_result(model):
     row once per rank, at an all-reduce per metric variable per step. A
     subclass's own `get_metrics_result` is left alone.
     """
-    keras_trainer = torch_trainer_with_ddp
     if (
-        keras_trainer is not None
+        torch_trainer_with_ddp is not None
         and "get_metrics_result" not in model.__dict__
-        and type(model).get_metrics_result is keras_trainer.get_metrics_result
+        and type(model).get_metrics_result is torch_trainer_with_ddp.get_metrics_result
     ):
-        return super(keras_trainer, model).get_metrics_result
+        return super(torch_trainer_with_ddp, model).get_metrics_result
     return model.get_metrics_result
 
 

@@ -6,7 +6,6 @@ of its change since. The same all-reduce carries the batches' check
 step's logs.
 """
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -15,6 +14,7 @@ from keras_parallel.backends.torch.batches import (
     check_same_batches,
     checksum,
 )
+from keras_parallel.backends.torch.flat_buffers import unpack_flat
 
 
 class MetricStates:
@@ -63,13 +63,7 @@ class MetricStates:
 
     def restore(self, flat):
         """Sets the states from a `snapshot()`."""
-        offset = 0
-        with torch.no_grad():
-            for v in self.model.metrics_variables:
-                n = int(np.prod(v.shape)) if len(v.shape) else 1
-                piece = flat[offset : offset + n].reshape(tuple(v.shape))
-                v.value.copy_(piece.to(v.value.dtype))
-                offset += n
+        unpack_flat(flat, [v.value for v in self.model.metrics_variables])
 
     def reduce(self, counted, extra=None, verify=True):
         """Makes the states global; sums `extra` over the ranks with them.

@@ -3,24 +3,20 @@
 A distribution that splits variables or asks for `shard=` runs through a
 `MeshRunner` (`runs_on_mesh`); one that splits only the batch keeps DDP,
 which is faster. `apply` places the variables as DTensors and, for the
-model's distributed life, gathers them to be read or saved; `scope_parts`
-installs the `MeshSteps`; `release` makes every variable plain again.
+model's distributed life, gathers them to be read or saved, and makes the
+`MeshSteps` the executor installs; `release` makes every variable plain again.
 """
+
+from keras import ops
 
 from keras_parallel.backends.torch import dtensor_layouts
 from keras_parallel.backends.torch import group as torch_group
 from keras_parallel.backends.torch.mesh_steps import MeshSteps
-from keras_parallel.backends.torch.step_logs import StepLogPolicy
 from keras_parallel.keras_seam.overrides import Overrides, override
 from keras_parallel.keras_seam.replacements import Replacements
 from keras_parallel.plan.layout_keys import reference_of
 from keras_parallel.plan.sharding_plan import iter_planned_variables
-from keras_parallel.run.chief import (
-    ChiefOnlyCallbacks,
-    ChiefWritesInFit,
-    chief_only_saving,
-    chief_saving,
-)
+from keras_parallel.run.chief import chief_only_saving, chief_saving
 
 
 def runs_on_mesh(distribution):
@@ -80,20 +76,16 @@ class MeshRunner:
         #: Each placed variable's `numpy` and `assign` (`_make_usable`).
         self._methods = Replacements()
 
-    def _torch_mesh(self):
-        if self.mesh is None:
-            self.mesh = dtensor_layouts.torch_mesh(
-                self.executor.distribution.device_mesh, torch_group.device_type()
-            )
-        return self.mesh
-
     def apply(self, model, plan):
         """Places the planned variables as DTensors (a collective)."""
         if model is not self.model:
             self.release_steps()
         self.model = model
-        mesh = self._torch_mesh()
         keras_mesh = self.executor.distribution.device_mesh
+        if self.mesh is None:
+            device_type = torch_group.device_type()
+            self.mesh = dtensor_layouts.torch_mesh(keras_mesh, device_type)
+        mesh = self.mesh
         gradients = gradient_axes(model, plan)
         with dtensor_layouts.promotion():
             for variable, entry in iter_planned_variables(model, plan):
@@ -133,11 +125,14 @@ class MeshRunner:
         if not self.executor.is_chief:
             return lambda: chief_only_saving(model, saving, writes)
         if writes is None:
-            return lambda: gathered_saving(model, saving)
+            return lambda: override(model, GatheredSaving(saving))
 
         def gathered_and_told():
             # Told after the write: `ChiefSaving` goes first in the class.
-            ends = [gathered_saving(model, saving), chief_saving(model, writes)]
+            ends = [
+                override(model, GatheredSaving(saving)),
+                chief_saving(model, writes),
+            ]
             return lambda: [end() for end in reversed(ends)]
 
         return gathered_and_told
@@ -153,21 +148,23 @@ class MeshRunner:
         # object: `np.asarray(variable)` still raises, so that a callback
         # reading weights on rank 0 alone (a `TensorBoard` histogram) fails
         # at once rather than starting a gather the other ranks never join.
-        if "numpy" not in vars(variable):  # Placed by an earlier `apply`.
-            self._methods.replace(variable, "numpy", whole_numpy(variable))
-            self._methods.replace(
-                variable, "assign", replicated_assign(variable.assign)
-            )
+        if "numpy" in vars(variable):
+            return  # Placed by an earlier `apply`.
+        assign = variable.assign
 
-    def scope_parts(self, model):
-        """What `TorchExecutor.scope` installs while an entry point runs."""
-        parts = [self.steps, StepLogPolicy(self.steps)]
-        writes = self.executor.chief_writes()
-        if writes is not None:
-            parts.append(ChiefWritesInFit(writes, model=model))
-        if not self.executor.is_chief:
-            parts.append(ChiefOnlyCallbacks(collective_saving=True, model=model))
-        return parts
+        def numpy():
+            # A collective: every rank must read the same variables in the
+            # same order, as `get_weights()` on every rank does.
+            return ops.convert_to_numpy(dtensor_layouts.whole_value(variable.value))
+
+        def assign_replicated(value):
+            # A whole value, the same on every process: each keeps its own
+            # part of it (`dtensor_layouts.promotion`), with no collective.
+            with dtensor_layouts.promotion():
+                return assign(value)
+
+        self._methods.replace(variable, "numpy", numpy)
+        self._methods.replace(variable, "assign", assign_replicated)
 
     def release_steps(self):
         if self.steps is not None:
@@ -230,50 +227,11 @@ def gradient_axes(model, plan):
     return gradients
 
 
-def whole_numpy(variable):
-    """`variable.numpy()` that gathers a DTensor value whole first.
-
-    Reading a split variable is a collective: every rank must read the same
-    variables in the same order, as `get_weights()` on every rank does.
-
-    Args:
-        variable: a `keras.Variable` that `dtensor_layouts.place` placed.
-
-    Returns:
-        A function of no argument returning the whole value as NumPy.
-    """
-
-    def numpy():
-        from keras import ops
-
-        return ops.convert_to_numpy(dtensor_layouts.whole_value(variable.value))
-
-    return numpy
-
-
-def replicated_assign(assign):
-    """`variable.assign` that takes a plain value as the same on every rank.
-
-    The value is whole (`set_weights`, `load_weights`), the same on every
-    process: each keeps its own part of it (`dtensor_layouts.promotion`),
-    with no collective.
-
-    Args:
-        assign: the variable's own `assign`.
-
-    Returns:
-        The function to call instead.
-    """
-
-    def assign_replicated(value):
-        with dtensor_layouts.promotion():
-            return assign(value)
-
-    return assign_replicated
-
-
 class GatheredSaving(Overrides):
     """`save` and `save_weights` with the split variables gathered first.
+
+    On rank 0; the other ranks join the same gathers without writing
+    (`chief.chief_only_saving`): Keras then reads plain values.
 
     Args:
         saving: the executor's `checkpoint_io.saving`.
@@ -291,19 +249,3 @@ class GatheredSaving(Overrides):
     def save_weights(self, *args, **kwargs):
         with self.saving(self.model):
             return self.overridden.save_weights(*args, **kwargs)
-
-
-def gathered_saving(model, saving):
-    """Makes `model.save` and `save_weights` gather first, on rank 0.
-
-    The other ranks join the same gathers without writing
-    (`chief.chief_only_saving`): Keras then reads plain values.
-
-    Args:
-        model: the model of the chief process.
-        saving: the executor's `checkpoint_io.saving`.
-
-    Returns:
-        A function that undoes it.
-    """
-    return override(model, GatheredSaving(saving))

@@ -6,11 +6,12 @@ planned placements, and partial sums are finished where they are made.
 """
 
 import torch
+from keras import layers
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from keras_parallel.backends.torch import dtensor_layouts
-from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.keras_compat import StatelessScope, tree
 from keras_parallel.errors import ShardingError
 from keras_parallel.keras_seam.replacements import Replacements
 
@@ -30,19 +31,14 @@ class OutputConstraints:
         self.steps = steps
         self._replacements = Replacements()
 
-    def _layers(self):
-        """Every layer, with its `OutputLayout` or `None` (no key)."""
+    def install(self):
+        mesh = self.steps.mesh
         wanted = {o.path: o for o in self.steps.plan.outputs}
         model = self.steps.model
         for layer in model._flatten_layers(include_self=False, recursive=True):
+            # The layer's `OutputLayout`, or `None` (no key).
             path = (getattr(layer, "path", None) or layer.name) + "/output"
-            yield layer, wanted.pop(path, None)
-
-    def install(self):
-        from keras import layers
-
-        mesh = self.steps.mesh
-        for layer, output in self._layers():
+            output = wanted.pop(path, None)
             call = layer.call
             if isinstance(layer, layers.Embedding):
                 call = _gathered_lookup(call, layer, mesh)
@@ -133,7 +129,6 @@ class PlacedGradient(torch.autograd.Function):
 
 def _gathered_lookup(call, layer, mesh):
     """`layer.call` on its table gathered along the rows (`OutputConstraints`)."""
-    from keras_parallel.backends.torch.keras_compat import StatelessScope
 
     def lookup(*args, **kwargs):
         variable = layer.embeddings

@@ -18,7 +18,6 @@ def pydataset_batches(adapter, world_size, rank):
     """`(global rows, this rank's rows)` of each batch of a finite `PyDataset`."""
     dataset = adapter.py_dataset
     order = kinds.epoch_order(adapter, dataset.num_batches)
-    made = None
     handout = _handout(world_size, rank)
     for k in range(len(order)):
         if k % world_size == 0:

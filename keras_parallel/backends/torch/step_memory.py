@@ -26,10 +26,13 @@ import weakref
 
 import numpy as np
 import torch
+from keras import ops
+from keras.distribution import DataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_parallel.backends.base import StepMemory
 from keras_parallel.backends.torch.keras_compat import tree
+from keras_parallel.backends.torch.model_parallel import runs_on_mesh
 
 #: Rows of the two measured batches (fewer if the first batch has fewer).
 MEASURED_ROWS = (2, 4)
@@ -167,8 +170,7 @@ def _state_variables(model):
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
     variables += list(model.metrics_variables)
-    unique = {id(v): v for v in variables}
-    return list(unique.values())
+    return list({id(v): v for v in variables}.values())
 
 
 def _rows(batch):
@@ -205,8 +207,6 @@ def candidate_step(model, distribution, plan, batch):
 
 
 def _cut(batch, rows):
-    from keras import ops
-
     def cut(leaf):
         if leaf is None:
             return None
@@ -229,10 +229,6 @@ def predict(measured, model, plan, distribution, global_rows):
         distribution: the candidate.
         global_rows: the rows of the global batch.
     """
-    from keras.distribution import DataParallel
-
-    from keras_parallel.backends.torch.model_parallel import runs_on_mesh
-
     num_devices = len(plan.devices)
     data_ways = _data_ways(plan)
     rows = -(-global_rows // data_ways)

@@ -5,6 +5,7 @@ A component of `steps.RankSteps`: the steps hand it each step's `StepRows`
 (which rows this rank computed) and call it where Keras asks for results.
 """
 
+import contextlib
 import dataclasses
 
 import torch.distributed as dist
@@ -60,8 +61,9 @@ class StepMetrics:
         self.world_size = world_size
         self._counts = counts
         self._keras_result = keras_result
-        #: Whether each step's logs are made global (`step_logs`): else at
-        #: the epoch's end, when Keras reads them.
+        #: Whether each step's logs are made global (`step_logs`), else at the
+        #: epoch's end when Keras reads them; True until a run's callbacks say
+        #: otherwise (`train_on_batch` has none).
         self.global_step_logs = True
         #: The rows of the step running, or None between steps.
         self.current = None
@@ -70,9 +72,14 @@ class StepMetrics:
         #: A custom step's last logs, made global when Keras reads them.
         self._returned = None
 
+    @contextlib.contextmanager
     def step(self, step_rows):
         """A context manager: the step of `step_rows` runs inside it."""
-        return _InStep(self, step_rows)
+        self.current = self.latest = step_rows
+        try:
+            yield
+        finally:
+            self.current = None
 
     def set_global_step_logs(self, on):
         """Whether each step's logs are made global (`step_logs`)."""
@@ -124,15 +131,3 @@ class StepMetrics:
         counted = not self.global_step_logs or self._counts(self.latest)
         # No host read per step: the batches' comparison waits.
         return self.states.reduce(counted, extra, verify=self.current is None)
-
-
-class _InStep:
-    def __init__(self, metrics, step_rows):
-        self.metrics = metrics
-        self.step_rows = step_rows
-
-    def __enter__(self):
-        self.metrics.current = self.metrics.latest = self.step_rows
-
-    def __exit__(self, *exc_info):
-        self.metrics.current = None

@@ -118,8 +118,6 @@ class RankSteps:
             )
         self._install_gradient_reduction()
         self._step = 0
-        # Until a run's callbacks say otherwise (`train_on_batch` has none):
-        # each step's logs global.
         self._installed = True
 
     def uninstall(self):
@@ -210,11 +208,8 @@ class RankSteps:
         if kind != "train" and self.dirty:
             self.sync_non_trainable()
         own = self.step_rows = self._rows(rows)
-        if global_rows is not None:
-            local = data  # This rank's rows only, loaded as such.
-        elif own.whole:
-            local = data
-        else:
+        local = data  # Whole, or divided input: this rank's rows already.
+        if global_rows is None and not own.whole:
             local = rows_of.slice_rows(data, rows, own.start, own.stop)
         routed = self._routes(kind)
         metrics = self.metrics
@@ -386,11 +381,8 @@ class RankSteps:
         As DDP does with buffers: BatchNorm's moving statistics differ by rank.
         """
         self.dirty = False
-        variables = [
-            v
+        broadcast_flat(
+            v.value
             for v in self.model.non_trainable_variables
             if torch.is_floating_point(v.value)
-        ]
-        if not variables:
-            return
-        broadcast_flat([v.value for v in variables])
+        )

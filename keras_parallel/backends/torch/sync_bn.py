@@ -37,14 +37,8 @@ def global_moments(layer):
         count = math.prod(x.shape[a] for a in axes)
         sums = x.sum(dim=axes)
         squares = (x * x).sum(dim=axes)
-        packed = torch.cat(
-            [
-                sums,
-                squares,
-                torch.tensor([float(count)], dtype=torch.float64, device=x.device),
-            ]
-        )
-        packed = dist_fn.all_reduce(packed)
+        counts = torch.tensor([float(count)], dtype=torch.float64, device=x.device)
+        packed = dist_fn.all_reduce(torch.cat([sums, squares, counts]))
         n = sums.numel()
         total = packed[-1]
         mean = packed[:n] / total
