@@ -170,7 +170,7 @@ REPLACED = (
         "`persistence/stop_agreement.py`), and the stop there with a backup "
         "(`persistence/preemption.py`); every epoch's and batch's begin and "
         "end counted, this process's position for the stall watch "
-        "(`run/stall_watch.py`); each run's list, once made, edited: "
+        "(`run/stall_watch_part.py`); each run's list, once made, edited: "
         "writers out on processes other than 0 (`run/chief.py`), keras_parallel's "
         "own callbacks in (`keras_seam/callback_lists.py`)",
     ),

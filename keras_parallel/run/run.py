@@ -36,7 +36,7 @@ from keras_parallel.keras_seam import callback_lists
 from keras_parallel.persistence.backup import ExactBackups
 from keras_parallel.persistence.preemption import PreemptionWatch
 from keras_parallel.run.heartbeat import Heartbeat
-from keras_parallel.run.stall_watch import StallWatchPart
+from keras_parallel.run.stall_watch_part import StallWatchPart
 
 
 class Run:

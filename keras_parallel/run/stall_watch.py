@@ -38,9 +38,6 @@ import socket
 import sys
 import time
 
-from keras.callbacks import CallbackList
-
-from keras_parallel.keras_seam.replacements import Replacements
 from keras_parallel.messages.signed_store import KeyAlreadySetError, UntrustedValueError
 from keras_parallel.run.stall_positions import (
     decode_record,
@@ -50,9 +47,7 @@ from keras_parallel.run.stall_positions import (
     thread_stacks,
 )
 from keras_parallel.run.stall_settings import (
-    LAUNCHED_VARIABLE,
     STALLED_EXIT_CODE,
-    stall_timeout,
 )
 
 #: Seconds the stalled process waits for the others' positions, and the
@@ -68,16 +63,6 @@ LOOK_EVERY_S = 10.0
 #: Seconds a waiting process lets the stalled one exit first, so that a
 #: launcher names the stalled process as the run's failure.
 EXIT_AFTER_S = 2.0
-_EVENTS = (
-    "on_epoch_begin",
-    "on_epoch_end",
-    "on_train_batch_begin",
-    "on_train_batch_end",
-    "on_test_batch_begin",
-    "on_test_batch_end",
-    "on_predict_batch_begin",
-    "on_predict_batch_end",
-)
 
 
 class StallWatch:
@@ -362,76 +347,3 @@ def waiting_for(owner):
         yield
     finally:
         watch.wait_for(None)
-
-
-class StallWatchPart:
-    """Counts Keras's loop events and ticks a `StallWatch` while an entry
-    point runs (several processes only; `Run` installs it).
-
-    Args:
-        executor: the run's executor (its processes and store).
-        heartbeat: the run's `Heartbeat`.
-    """
-
-    #: Entry points watched so far in this process: every process counts
-    #: the same ones, so the count names one entry point's keys.
-    _entries = 0
-
-    def __init__(self, executor, heartbeat):
-        self.executor = executor
-        self.heartbeat = heartbeat
-        self.watch = None
-        self._replacements = Replacements()
-
-    def __enter__(self):
-        self.install()
-        return self
-
-    def __exit__(self, error_type, error, traceback):
-        self.uninstall()
-        return False
-
-    def install(self):
-        StallWatchPart._entries += 1
-        executor = self.executor
-        timeout = stall_timeout()
-        if executor.num_processes == 1 or timeout is None:
-            return
-        watch = StallWatch(
-            executor.key_value_store(),
-            executor.process_index,
-            executor.num_processes,
-            str(StallWatchPart._entries),
-            timeout,
-            launched=LAUNCHED_VARIABLE in os.environ,
-        )
-        self.watch = watch
-        _current[0] = watch
-        for event in _EVENTS:
-            self._replacements.replace(
-                CallbackList,
-                event,
-                _counted(getattr(CallbackList, event), event, watch),
-            )
-        self.heartbeat.add(watch.tick)
-        self.heartbeat.start()
-
-    def uninstall(self):
-        if self.watch is not None:
-            self.watch._ended = True
-            if _current[0] is self.watch:
-                _current[0] = None
-        self._replacements.restore()
-
-
-def _counted(keras_event, event, watch):
-    epoch_event = event.startswith("on_epoch")
-
-    def counted(callback_list, step, logs=None):
-        if epoch_event:
-            watch.moved(event, epoch=step)
-        else:
-            watch.moved(event, epoch=watch.epoch, batch=step)
-        return keras_event(callback_list, step, logs)
-
-    return counted
