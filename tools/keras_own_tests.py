@@ -70,6 +70,10 @@ NOT_ON_SEVERAL_RANKS = {
         "each rank removes the checkpoint (os.remove) once it has checked it: "
         "the other ranks, given the same path, may find it gone"
     ),
+    ("csv_logger_test.py", "test_CSVLogger"): (
+        "each rank removes the log (os.remove) once it has read it: the "
+        "other ranks, given the same path, may find it gone"
+    ),
 }
 
 
@@ -173,23 +177,49 @@ def _same_temp_dirs(base):
     """Every rank of a launch is given the same folders, one per call.
 
     One `fit` on many processes is given one path on all of them; Keras's
-    tests make a random folder per process, so only the chief's rank would
-    find the files the chief writes. The folders outlive the test (the tool
+    tests make a random folder per process (`get_temp_dir`,
+    `tempfile.TemporaryDirectory`), so only the chief's rank would find the
+    files the chief writes. Here the n-th folder a test asks for is
+    `<base>/<test>/<n>` on every rank. The folders outlive the test (the tool
     removes them): a rank done with a test must not delete what another
-    rank still reads.
+    rank still reads. Only a test's own calls are served so: Keras's code
+    may make folders on the chief alone.
     """
-    import itertools
+    import re
+    import sys
+    import tempfile
 
     from keras.src.testing import test_case
 
-    calls = itertools.count()
-
-    def get_temp_dir(self):
-        path = os.path.join(base, str(next(calls)))
+    def shared_folder():
+        test = re.sub(r"[^A-Za-z0-9_.-]", "_", CURRENT[0])
+        CURRENT[1] += 1
+        path = os.path.join(base, test, str(CURRENT[1]))
         os.makedirs(path, exist_ok=True)
         return path
 
-    test_case.TestCase.get_temp_dir = get_temp_dir
+    class TemporaryDirectory(tempfile.TemporaryDirectory):
+        def __init__(self, *args, **kwargs):
+            self.shared = sys._getframe(1).f_code.co_filename.endswith("_test.py")
+            if self.shared:
+                self.name = shared_folder()
+            else:
+                super().__init__(*args, **kwargs)
+
+        def cleanup(self):
+            if not self.shared:
+                super().cleanup()
+
+    test_case.TestCase.get_temp_dir = lambda self: shared_folder()
+    tempfile.TemporaryDirectory = TemporaryDirectory
+
+
+#: The test running and how many folders it has been given.
+CURRENT = ["", 0]
+
+
+def pytest_runtest_setup(item):
+    CURRENT[:] = [item.nodeid, 0]
 
 
 if DOOR != "none":
